@@ -1,0 +1,1 @@
+"""Shared core of the npu-cookbook recipes: device backend, fused ops, weight loader."""

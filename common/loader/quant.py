@@ -1,0 +1,76 @@
+"""Block-quantized weight formats of published checkpoints: FP8 with 128x128 block scales, MXFP4 routed experts.
+
+FP8 block: weight float8_e4m3fn [N, K], scale [ceil(N/128), ceil(K/128)] (fp32, bf16 or e8m0); w = fp8 * scale of its block.
+MXFP4: int8 [N, K/2], two e2m1 codes per byte, low nibble first (sign bit 3, bits 0-2 index E2M1 magnitudes);
+scale [N, K/32], one power of two per 32 consecutive inputs; w = fp4 * scale.
+"""
+import torch
+import torch.nn.functional as F
+
+FP8_BLOCK = 128
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+MX_GROUP = 32
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5])
+MX_SCALE_DTYPE = getattr(torch, "float8_e8m0fnu", torch.float32)
+
+
+def is_quantized(w: torch.Tensor) -> bool:
+    return w.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8)
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """FP8 block or MXFP4, told apart by the weight's dtype and the scale's shape."""
+    if w.dtype == torch.float8_e4m3fn:
+        return dequant_fp8_block(w, scale, dtype)
+    if w.dtype in (torch.int8, torch.uint8) and scale.shape[-1] * MX_GROUP == w.shape[-1] * 2:
+        return dequant_mxfp4(w, scale, dtype)
+    raise ValueError(f"no dequantization for a {w.dtype} {list(w.shape)} weight with a {list(scale.shape)} scale")
+
+
+def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, dtype=torch.float32, block: int = FP8_BLOCK) -> torch.Tensor:
+    n, k = w.shape
+    if scale.shape != (-(-n // block), -(-k // block)):
+        raise ValueError(f"fp8 weight {[n, k]} needs a [{-(-n // block)}, {-(-k // block)}] block scale, "
+                         f"got {list(scale.shape)}")
+    out = w.float()                                                  # [N, K]
+    cols = scale.float().repeat_interleave(block, dim=1)[:, :k]      # [N/128, K]
+    for i, rows in enumerate(out.split(block)):                      # rows: [<=128, K]
+        rows.mul_(cols[i])
+    return out.to(dtype)
+
+
+def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    u = packed.view(torch.uint8)                                     # [..., K/2]
+    codes = torch.stack([u & 0xF, u >> 4], dim=-1).flatten(-2)       # [..., K] low nibble first
+    if scale.shape != (*codes.shape[:-1], codes.shape[-1] // MX_GROUP):
+        raise ValueError(f"mxfp4 weight {list(codes.shape)} needs a {[*codes.shape[:-1], codes.shape[-1] // MX_GROUP]} "
+                         f"scale, got {list(scale.shape)}")
+    w = E2M1[codes.int()].unflatten(-1, (-1, MX_GROUP))              # [..., K/32, 32]
+    return (w * scale.float().unsqueeze(-1)).flatten(-2).to(dtype)   # [..., K]
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (float8_e4m3fn [N, K], fp32 scale [ceil(N/128), ceil(K/128)]), amax of a block maps to 448."""
+    n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = F.pad(w.float().abs(), (0, kb * block - k, 0, nb * block - n))             # [Nb*128, Kb*128]
+    amax = padded.view(nb, block, kb, block).amax(dim=(1, 3))                           # [Nb, Kb]
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    full = scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]     # [N, K]
+    return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] float -> (int8 [..., K/2], power-of-two scale [..., K/32] as e8m0); nearest e2m1, ties to even."""
+    if w.shape[-1] % MX_GROUP:
+        raise ValueError(f"mxfp4 needs the last dim to be a multiple of {MX_GROUP}, got {list(w.shape)}")
+    x = w.float().unflatten(-1, (-1, MX_GROUP))                                         # [..., K/32, 32]
+    amax = x.abs().amax(-1, keepdim=True)                                               # [..., K/32, 1]
+    scale = torch.where(amax > 0, torch.exp2(torch.log2(amax / 6).ceil().clamp(-127, 127)), 1.0)
+    x = (x / scale).flatten(-2)                                                         # [..., K] within +-6
+    lo = torch.bucketize(x.abs(), E2M1_MIDPOINTS)
+    hi = torch.bucketize(x.abs(), E2M1_MIDPOINTS, right=True)                           # differs from lo on ties
+    codes = (torch.where(lo % 2 == 0, lo, hi) | x.signbit().long() << 3).to(torch.uint8)   # [..., K]
+    packed = codes[..., 0::2] | codes[..., 1::2] << 4                                   # [..., K/2]
+    return packed.view(torch.int8), scale.squeeze(-1).to(MX_SCALE_DTYPE)

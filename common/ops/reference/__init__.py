@@ -1,0 +1,31 @@
+"""Pure-PyTorch references of the fused ops: the ground truth on CPU, one function per op."""
+from .attention import (
+    apply_attention_sinks,
+    attention,
+    merge_attention_states,
+    paged_attention,
+    reshape_and_cache,
+    sparse_attention,
+)
+from .indexer import lightning_indexer
+from .moe import grouped_matmul, moe_finalize_routing, moe_gating_topk, moe_init_routing, swiglu
+from .norm import add_rms_norm, rms_norm
+from .rope import rotary_emb
+
+__all__ = [
+    "rms_norm",
+    "add_rms_norm",
+    "rotary_emb",
+    "attention",
+    "paged_attention",
+    "reshape_and_cache",
+    "sparse_attention",
+    "merge_attention_states",
+    "apply_attention_sinks",
+    "lightning_indexer",
+    "moe_gating_topk",
+    "moe_init_routing",
+    "moe_finalize_routing",
+    "grouped_matmul",
+    "swiglu",
+]

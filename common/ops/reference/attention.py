@@ -1,0 +1,153 @@
+"""Attention over packed sequences: dense, paged, sparse (gathered rows), LSE merges and sinks.
+
+Layout is token-major and packed: T = all query tokens of all sequences, cu_seqlens_* [B+1] int32 bound each
+sequence. The queries of sequence b are the LAST q_len positions of its kv: query i sits at absolute position
+kv_len - q_len + i. A query row with no visible key gives out 0 and lse -inf, never NaN.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim of `scores` where `visible`; returns (probs, lse). Empty rows: probs 0, lse -inf."""
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [..., Q]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # -inf - -inf = NaN on empty rows -> 0
+    return probs, lse
+
+
+def _visible(q_len: int, kv_len: int, causal: bool, sliding_window: int | None, device) -> torch.Tensor:
+    """[q_len, kv_len] bool: key j visible to query i (absolute position kv_len - q_len + i)."""
+    pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]  # [Q, 1]
+    key = torch.arange(kv_len, device=device)[None, :]  # [1, K]
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    if causal:
+        visible &= key <= pos
+    if sliding_window is not None:
+        visible &= pos - key < sliding_window
+    return visible
+
+
+def _attend(q, k, v, visible, scale):
+    """One sequence: q [Q, Hq, D], k / v [K, Hkv, D / Dv], visible [Q, K] -> fp32 out [Q, Hq, Dv], lse [Q, Hq]."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(groups, dim=1)  # [K, Hq, D]
+    v = v.float().repeat_interleave(groups, dim=1)  # [K, Hq, Dv]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, Q, K]
+    probs, lse = _masked_softmax(scores, visible)
+    return torch.einsum("hqk,khd->qhd", probs, v), lse.T
+
+
+def apply_attention_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Add a per-head sink logit to the softmax denominator after the fact: out * sigmoid(lse - sink).
+
+    out [T, H, Dv], lse [T, H] fp32, sinks [H] fp32.
+    """
+    keep = torch.sigmoid(lse - sinks.float())  # [T, H]; lse -inf -> 0
+    return (out.float() * keep[..., None]).to(out.dtype)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two partial attentions over disjoint key sets. out_* [T, H, Dv], lse_* [T, H] fp32."""
+    lse = torch.logaddexp(lse_a, lse_b)  # [T, H]; -inf when both are empty
+    w_a = torch.exp(lse_a - lse).nan_to_num(0.0)[..., None]  # [T, H, 1]
+    w_b = torch.exp(lse_b - lse).nan_to_num(0.0)[..., None]
+    return (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype), lse
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
+    """softmax(scale * q k^T + mask) v per sequence; GQA / MQA when Hq is a multiple of Hkv.
+
+    q [T, Hq, D], k [S, Hkv, D], v [S, Hkv, Dv]. causal: key j visible iff j <= pos; sliding_window W: also
+    pos - j < W. sinks [Hq]: a per-head logit in the denominator only. Returns out [T, Hq, Dv] (q.dtype) and,
+    with return_lse, lse [T, Hq] fp32 of the scaled, masked scores (sink not included).
+    """
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)  # [T, Hq, Dv]
+    lse = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)  # [T, Hq]
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for qs, qe, ks, ke in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
+        visible = _visible(qe - qs, ke - ks, causal, sliding_window, q.device)  # [Q, K]
+        out[qs:qe], lse[qs:qe] = _attend(q[qs:qe], k[ks:ke], v[ks:ke], visible, scale)
+    if sinks is not None:
+        out = apply_attention_sinks(out, lse, sinks)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Rows of each sequence, in order, out of a paged cache [num_blocks, block_size, ...] -> [sum(seq_lens), ...]."""
+    block_size = cache.shape[1]
+    slots = []
+    for b, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n, device=cache.device)
+        slots.append(block_tables[b, pos // block_size].long() * block_size + pos % block_size)
+    return cache.flatten(0, 1)[torch.cat(slots)]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
+    """attention() with K/V read through a paged cache.
+
+    k_cache [num_blocks, block_size, Hkv, D], v_cache [num_blocks, block_size, Hkv, Dv] (None: V = K),
+    block_tables [B, max_blocks] int32, seq_lens [B] int32 = kv length of each sequence, new tokens included.
+    """
+    v_cache = k_cache if v_cache is None else v_cache
+    k = _gather_pages(k_cache, block_tables, seq_lens)  # [S, Hkv, D]
+    v = _gather_pages(v_cache, block_tables, seq_lens)  # [S, Hkv, Dv]
+    cu_seqlens_k = F.pad(seq_lens.cumsum(0), (1, 0)).int()  # [B+1]
+    return attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, sliding_window, sinks, return_lse)
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+    """In place: cache.view(-1, Hkv, D)[slot] = k row by row (same for v); slots < 0 are skipped.
+
+    k [T, Hkv, D], v [T, Hkv, Dv] or None (K = V models, then v_cache is None too), slot_mapping [T] int64.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()  # [T']
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    if v is not None:
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+def sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float, return_lse: bool = False
+):
+    """Each query attends only to its listed rows of k / v.
+
+    q [T, H, D], k [N, Hkv, D], v [N, Hkv, Dv], indices [T, K] global rows (-1 = empty slot).
+    Returns out [T, H, Dv] (q.dtype) and, with return_lse, lse [T, H] fp32.
+    """
+    valid = indices >= 0  # [T, K]
+    rows = indices.clamp(min=0).long()  # [T, K]
+    groups = q.shape[1] // k.shape[1]
+    k_sel = k[rows].float().repeat_interleave(groups, dim=2)  # [T, K, H, D]
+    v_sel = v[rows].float().repeat_interleave(groups, dim=2)  # [T, K, H, Dv]
+    scores = torch.einsum("thd,tkhd->thk", q.float(), k_sel) * scale  # [T, H, K]
+    probs, lse = _masked_softmax(scores, valid[:, None, :])
+    out = torch.einsum("thk,tkhd->thd", probs, v_sel).to(q.dtype)  # [T, H, Dv]
+    return (out, lse) if return_lse else out

@@ -1,0 +1,97 @@
+"""Mixture-of-experts pieces: router top-k, dispatch (init routing), expert matmuls, combine (finalize routing)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SCORE_FUNCS = {
+    "softmax": lambda x: x.softmax(dim=-1),
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+}
+
+
+def moe_gating_topk(
+    logits: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None = None,
+    score_func: str = "softmax",
+    group_count: int = 1,
+    k_group: int = 1,
+    renorm: bool = True,
+    routed_scaling_factor: float = 1.0,
+    eps: float = 1e-20,
+    tid2eid: torch.Tensor | None = None,
+    input_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: (weights [T, k] fp32, indices [T, k] int32) from logits [T, E].
+
+    Scores = score_func(logits) in fp32. Selection ranks scores + bias (bias is for selection only), limited to the
+    k_group best of group_count groups when group_count > 1 (group score = sum of its top-2 biased scores,
+    DeepSeek-V3). Hash routing: with tid2eid [V, k], indices = tid2eid[input_ids], no selection.
+    weights = scores at indices, / (sum + eps) if renorm, then * routed_scaling_factor.
+    """
+    scores = SCORE_FUNCS[score_func](logits.float())  # [T, E]
+    if tid2eid is not None:
+        indices = tid2eid[input_ids].long()  # [T, k]
+    else:
+        biased = scores if bias is None else scores + bias.float()  # [T, E]
+        if group_count > 1:
+            grouped = biased.view(biased.shape[0], group_count, -1)  # [T, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(k_group, dim=-1).indices, True)  # [T, G]
+            biased = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)  # [T, E]
+        indices = biased.topk(k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, indices)  # [T, k]
+    if renorm:
+        weights = weights / (weights.sum(-1, keepdim=True) + eps)
+    return weights * routed_scaling_factor, indices.int()
+
+
+def moe_init_routing(
+    x: torch.Tensor, indices: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dispatch: copies of token rows sorted by expert.
+
+    x [T, H], indices [T, k]. Returns expanded_x [T*k, H] (stable sort by expert of the token-major (t, j) pairs),
+    expanded_row_idx [T*k] int32 and tokens_per_expert [E] int64. expanded_row_idx follows torch_npu
+    npu_moe_init_routing_v2 with row_idx_type=0: expanded_row_idx[t*k + j] = the row of expanded_x holding token
+    t's copy for its j-th expert (what npu_moe_finalize_routing with drop_pad_mode=2 reads).
+    """
+    flat = indices.flatten().long()  # [T*k] expert of each (token, slot), token-major
+    order = torch.sort(flat, stable=True).indices  # [T*k] (t*k + j) of each expanded row
+    expanded_x = x[order // indices.shape[1]]  # [T*k, H]
+    expanded_row_idx = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    return expanded_x, expanded_row_idx.int(), torch.bincount(flat, minlength=num_experts)
+
+
+def moe_finalize_routing(
+    expert_out: torch.Tensor, weights: torch.Tensor, expanded_row_idx: torch.Tensor, shared: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Combine: out[t] = sum_j weights[t, j] * expert_out[expanded_row_idx[t*k + j]] (+ shared[t]), in fp32.
+
+    expert_out [T*k, H], weights [T, k], shared [T, H] or None. Returns [T, H] in expert_out.dtype.
+    """
+    rows = expert_out[expanded_row_idx.long()].view(*weights.shape, -1).float()  # [T, k, H]
+    out = (rows * weights.float()[..., None]).sum(1)  # [T, H]
+    if shared is not None:
+        out = out + shared.float()
+    return out.to(expert_out.dtype)
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """Per expert e: y_e = x_e @ weight[e].T; x [M, K] sorted by expert, weight [E, N, K] (nn.Linear) -> [M, N]."""
+    out = x.new_zeros(x.shape[0], weight.shape[1])  # [M, N]
+    ends = tokens_per_expert.cumsum(0).tolist()
+    for e, (start, end) in enumerate(zip([0] + ends, ends)):
+        out[start:end] = x[start:end] @ weight[e].T
+    return out
+
+
+def swiglu(x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up for x [..., 2I] = [gate | up]; with limit: gate <= limit, -limit <= up <= limit."""
+    gate, up = x.chunk(2, dim=-1)  # [..., I] each
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up

@@ -1,0 +1,31 @@
+# CPU image: the reference path, no Ascend software. Runs the deepseek recipe's tiny default.
+#
+#   docker build -f docker/cpu.Dockerfile -t npu-cookbook/cpu .
+#   docker run --rm npu-cookbook/cpu                                  # bash recipes/deepseek/run.sh
+#   docker run --rm npu-cookbook/cpu bash recipes/<recipe>/run.sh     # any other recipe
+
+# Default = CPU_PYTHON_IMAGE in docker/versions.env (tests/test_docker.py keeps them equal).
+ARG CPU_PYTHON_IMAGE=python:3.11-slim
+FROM ${CPU_PYTHON_IMAGE}
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV PYTHONUNBUFFERED=1
+
+RUN useradd --create-home --uid 1000 --user-group cookbook \
+    && install -d -o cookbook -g cookbook /opt/npu-cookbook
+WORKDIR /opt/npu-cookbook
+
+# Dependencies first so code edits do not reinstall them. torch comes from the CPU wheel index
+# (no CUDA wheels); requirements.txt then finds its `torch==` pin already satisfied.
+COPY docker/versions.env docker/versions.env
+COPY requirements.txt ./
+RUN . docker/versions.env \
+    && python3 -m pip install --no-cache-dir --index-url "${TORCH_CPU_INDEX_URL}" "torch==${CPU_TORCH_VERSION}" \
+    && python3 -m pip install --no-cache-dir -r requirements.txt
+
+COPY --chown=cookbook:cookbook . .
+RUN python3 -m pip install --no-cache-dir --no-deps -e .
+
+# cookbook (numeric, so the host can resolve it)
+USER 1000:1000
+CMD ["bash", "recipes/deepseek/run.sh"]

@@ -1,0 +1,121 @@
+"""Write a tiny random DeepSeek-V4 checkpoint in the publisher's on-disk format (fixed seed).
+
+Same layout as the published DeepSeek-V4-Flash: HF config.json, publisher tensor names, FP8 block-quantized
+linears with `.scale`, MXFP4 routed experts, a tokenizer with the chat template. Every layer kind is present
+(sliding, CSA, HCA) with small compress rates, and both MoE kinds (hash, top-k).
+
+    python recipes/deepseek/tiny_deepseek_v4.py weights/deepseek-v4-tiny
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from common.loader import quantize_fp8_block, quantize_mxfp4, save_checkpoint, write_tokenizer
+from config_deepseek_v4 import CSA, HCA, SLIDING, ModelArgs
+from modeling_deepseek_v4 import DeepseekV4
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+SPECIAL_TOKENS = {"bos": BOS, "eos": EOS,  # ids 0, 1, ... in this order (config bos/eos ids)
+                  "user": "<｜User｜>", "assistant": "<｜Assistant｜>",
+                  "think": "<think>", "end_think": "</think>"}
+# DeepSeek-V4 chat format: chat mode closes the (empty) thinking span, `thinking=True` opens one.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜></think>{{ m['content'] }}<｜end▁of▁sentence｜>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% if thinking is defined and thinking %}<think>{% else %}</think>{% endif %}{% endif %}"
+)
+
+TINY_CONFIG = dict(
+    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=512, hidden_size=64,
+    moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+    q_lora_rank=32, qk_rope_head_dim=16, partial_rotary_factor=0.5, num_experts_per_tok=2, n_routed_experts=8,
+    n_shared_experts=1, scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.5,
+    max_position_embeddings=1024, rope_theta=10000.0, compress_rope_theta=160000.0,
+    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1},
+    layer_types=[SLIDING, CSA, HCA, CSA], compress_rates={CSA: 4, HCA: 8},
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+    swiglu_limit=10.0, sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=32,
+    index_topk=4, num_nextn_predict_layers=0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+    tie_word_embeddings=False, torch_dtype="bfloat16",
+)
+# Publisher's quantization: FP8 (128x128 blocks) for attention and shared-expert linears, MXFP4 routed experts;
+# compressor / indexer gating projections, router, embeddings and head stay high precision.
+_FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123])\.weight$")
+_MXFP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+_FP32 = re.compile(r"(hc_|\.ape$|attn_sink$|norm\.weight$|^norm|gate\.bias$)")  # kept fp32 by the publisher
+
+
+def random_state(args: ModelArgs, seed: int, head_scale: float = 8.0) -> dict[str, torch.Tensor]:
+    """Publisher-named fp32 tensors; lm head scaled up so greedy choices are clear (not near-ties)."""
+    g = torch.Generator().manual_seed(seed)
+    model = DeepseekV4(args)
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("tid2eid"):  # each token -> k distinct experts
+            v = torch.stack([torch.randperm(args.n_routed_experts, generator=g)[: t.shape[1]] for _ in range(t.shape[0])])
+        elif t.dim() == 1 and ("norm" in name or name.endswith("scale")):
+            v = 1 + 0.1 * torch.randn(t.shape, generator=g)
+        elif t.dim() == 1 or name.endswith(".ape"):
+            v = 0.5 * torch.randn(t.shape, generator=g)
+        else:
+            v = torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5
+        out[name] = v.to(t.dtype)
+    out["head.weight"] *= head_scale
+    for name in [n for n in out if n.endswith(("experts.w13", "experts.w2"))]:  # unstack routed experts
+        stacked = out.pop(name)
+        base = name.rsplit(".", 1)[0]
+        for e, w in enumerate(stacked):
+            if name.endswith("w13"):
+                out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = w.chunk(2)
+            else:
+                out[f"{base}.{e}.w2.weight"] = w
+    for name in [n for n in out if n.endswith("shared_experts.w13.weight")]:
+        base = name.rsplit(".", 2)[0]
+        out[f"{base}.w1.weight"], out[f"{base}.w3.weight"] = out.pop(name).chunk(2)
+    return out
+
+
+def quantize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in state.items():
+        if _MXFP4.search(name):
+            out[name], out[name.removesuffix("weight") + "scale"] = quantize_mxfp4(t)
+        elif _FP8.search(name):
+            out[name], out[name.removesuffix("weight") + "scale"] = quantize_fp8_block(t)
+        elif t.is_floating_point() and not _FP32.search(name):
+            out[name] = t.to(torch.bfloat16)
+        else:
+            out[name] = t
+    return out
+
+
+def write_tiny_checkpoint(path, seed: int = 0, quantized: bool = True, max_shard_bytes: int | None = 256 * 1024,
+                          **overrides) -> Path:
+    """Write config.json, safetensors shards (+ index) and the tokenizer into `path`; returns the path."""
+    path = Path(path)
+    config = {**TINY_CONFIG, **overrides}
+    args = ModelArgs.from_config(config)
+    state = random_state(args, seed)
+    if quantized:
+        state = quantize(state)
+    save_checkpoint(path, state, config, max_shard_bytes=max_shard_bytes)
+    write_tokenizer(path, vocab_size=args.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE)
+    return path
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-quant", action="store_true", help="write bf16/fp32 instead of FP8 + MXFP4")
+    a = p.parse_args()
+    write_tiny_checkpoint(a.out, seed=a.seed, quantized=not a.no_quant)
+    print(f"wrote {a.out}", file=sys.stderr)

@@ -1,0 +1,108 @@
+"""Checkpoint names -> DeepseekV4 parameters, for the publisher's layout and the transformers layout.
+
+The model uses the publisher's names, so that layout maps almost one to one; per-expert w1/w3/w2 tensors
+stack into `experts.w13` [E, 2I, D] and `experts.w2` [E, D, I], and shared-expert w1/w3 pack into `w13`.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+
+from common.loader import Checkpoint, load_weights
+from config_deepseek_v4 import ModelArgs
+from modeling_deepseek_v4 import DeepseekV4
+
+IGNORE = (r"^(model\.)?mtp\.",)  # the MTP layer loads with the speculative decoder, not here
+
+# transformers name (without "model.") -> publisher name; applied in order, each at most once
+_FROM_TRANSFORMERS = [
+    (r"^embed_tokens\.", "embed."),
+    (r"^lm_head\.", "head."),
+    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.mlp\.", ".ffn."),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
+    (r"\.attn\.sinks$", ".attn.attn_sink"),
+    (r"(compressor)\.kv_norm\.", r"\1.norm."),
+    (r"\.attn\.norm\.", ".attn.kv_norm."),  # what transformers' save_pretrained writes back for kv_norm
+    (r"\.position_bias$", ".ape"),
+    (r"\.q_a_proj\.", ".wq_a."),
+    (r"\.q_b_proj\.", ".wq_b."),
+    (r"\.q_a_norm\.", ".q_norm."),
+    (r"\.kv_proj\.", ".wkv."),
+    (r"compressor\.gate_proj\.", "compressor.wgate."),
+    (r"\.o_a_proj\.", ".wo_a."),
+    (r"\.o_b_proj\.", ".wo_b."),
+    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    (r"\.experts\.gate_up_proj$", ".experts.w13"),
+    (r"\.experts\.down_proj$", ".experts.w2"),
+]
+_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_SHARED = re.compile(r"^(layers\.\d+\.ffn\.shared_experts)\.(w[13])\.weight$")
+
+
+def transformers_to_publisher(name: str) -> str:
+    name = name.removeprefix("model.")
+    for pattern, repl in _FROM_TRANSFORMERS:
+        name = re.sub(pattern, repl, name, count=1)
+    return name
+
+
+def rename(name: str, transformers_layout: bool) -> tuple[str, object]:
+    """Checkpoint tensor name -> (parameter name, shard id)."""
+    if transformers_layout:
+        name = transformers_to_publisher(name)
+    if m := _EXPERT.match(name):
+        stacked, part = ("w2", None) if m[3] == "w2" else ("w13", 0 if m[3] == "w1" else 1)
+        return f"{m[1]}.{stacked}", (int(m[2]), part)
+    if m := _SHARED.match(name):
+        return f"{m[1]}.w13.weight", 0 if m[2] == "w1" else 1
+    return name, None
+
+
+def _packed_loader(param: torch.Tensor, tensor: torch.Tensor, shard) -> None:
+    """Fill one slice of a stacked / packed parameter. shard: None (whole), part, or (expert, part)."""
+    target = param.data
+    if isinstance(shard, tuple):
+        expert, shard = shard
+        target = target[expert]
+    if shard is not None:
+        half = target.shape[0] // 2
+        target = target[shard * half : (shard + 1) * half]
+    if target.shape != tensor.shape:
+        raise ValueError(f"shape {tuple(tensor.shape)} does not fit slice {shard} of shape {tuple(target.shape)}")
+    target.copy_(tensor)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> DeepseekV4:
+    """Build DeepseekV4 from a checkpoint folder (either layout, FP8 / MXFP4 dequantized on load)."""
+    ckpt = Checkpoint(path)
+    args = ModelArgs.from_config(ckpt.config)
+    with _default_dtype(dtype), torch.device(device):
+        model = DeepseekV4(args)
+    for name, param in model.named_parameters():
+        if name.endswith(("experts.w13", "experts.w2", "shared_experts.w13.weight")):
+            param.weight_loader = _packed_loader
+    layout = any(n.startswith("model.") for n in ckpt.names())
+    load_weights(model, ckpt, lambda n: rename(n, layout), dtype=dtype, ignore=IGNORE)
+    return model.eval()

@@ -1,0 +1,45 @@
+"""`bash recipes/deepseek/run.sh` as a user runs it: real files, real tokenizer, a subprocess."""
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tiny_deepseek_v4 import write_tiny_checkpoint
+
+RUN_SH = Path(__file__).resolve().parents[3] / "recipes" / "deepseek" / "run.sh"
+
+
+def run(*args, timeout=300):
+    return subprocess.run(["bash", str(RUN_SH), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def test_default_run_writes_the_tiny_checkpoint_and_generates():
+    r = run("--max-tokens", 3)
+    assert r.returncode == 0, r.stderr
+    completions = [line for line in r.stdout.splitlines() if line.startswith("> ")]
+    assert len(completions) == 4  # the bundled prompts file
+    stats = r.stdout.strip().splitlines()[-1]
+    assert stats.startswith("requests=4 ") and "generated_tokens=" in stats
+    assert int(stats.split("generated_tokens=")[1].split()[0]) > 0
+    assert (RUN_SH.parents[2] / "weights" / "deepseek-v4-tiny" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--max-tokens", "0"), "--max-tokens"),
+    (("--weights", "/no/such/dir"), "/no/such/dir"),
+    (("--prompts", "/no/such/file"), "/no/such/file"),
+    (("--dtype", "fp64"), "--dtype"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(args, needle):
+    r = run(*args)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr
+
+
+def test_corrupt_checkpoint_gives_one_line_and_exit_2(tmp_path):
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    shard = sorted(ckpt.glob("model-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    r = run("--weights", ckpt)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and shard.name in r.stderr and "Traceback" not in r.stderr
