@@ -1,29 +1,30 @@
-"""Greedy generation with DeepSeek-V4 by full recompute (no KV cache): the smoke run of the model.
+"""Offline batch inference with DeepSeek-V4 through the paged-KV, continuously batching engine.
 
-    python generate.py [--weights DIR] [--prompts FILE] [--max-tokens N] [--dtype bf16|fp32]
+    python generate.py [--weights DIR] [--config configs/X.yaml] [--prompts FILE] [--max-tokens N]
+                       [--temperature T] [--top-p P] [--top-k K] [--seed S]
 
 With no --weights, a tiny random checkpoint in the publisher's format is written to weights/deepseek-v4-tiny
-(once) and used. The paged, continuously batching executor replaces this loop for real serving.
+(once) and used. Each prompt line goes through the tokenizer's chat template.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
+import yaml
 from transformers import AutoTokenizer
 
 from common import backend
+from common.engine import LLM, SamplingParams
 from common.loader import CheckpointError
-from modeling_deepseek_v4 import Batch
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "weights" / "deepseek-v4-tiny"
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+HERE = Path(__file__).resolve().parent
+TINY = HERE.parents[1] / "weights" / "deepseek-v4-tiny"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -32,61 +33,61 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = ArgumentParser(description="DeepSeek-V4 greedy generation (full recompute)")
+    p = ArgumentParser(prog="run.sh", description="DeepSeek-V4 offline inference")
     p.add_argument("--weights", type=Path, help="checkpoint folder (default: the tiny random checkpoint)")
-    p.add_argument("--prompts", type=Path, default=Path(__file__).with_name("prompts.txt"), help="one prompt per line")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--config", type=Path, default=HERE / "configs" / "tiny-cpu.yaml", help="deployment preset")
+    p.add_argument("--prompts", type=Path, default=HERE / "prompts.txt", help="one prompt per line")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="overrides the preset's dtype")
     a = p.parse_args(argv)
-    if a.max_tokens < 1:
-        p.error("--max-tokens must be >= 1")
-    if not a.prompts.is_file():
-        p.error(f"--prompts {a.prompts}: no such file")
-    if a.weights is not None and not a.weights.is_dir():
-        p.error(f"--weights {a.weights}: no such directory")
+    for flag, path, kind in (("--prompts", a.prompts, "file"), ("--config", a.config, "file"), ("--weights", a.weights, "dir")):
+        if path is not None and not (path.is_file() if kind == "file" else path.is_dir()):
+            p.error(f"{flag} {path}: no such {'file' if kind == 'file' else 'directory'}")
+    try:
+        a.sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                                    max_tokens=a.max_tokens)
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        a.preset = yaml.safe_load(a.config.read_text()) or {}
+    except yaml.YAMLError as e:
+        p.error(f"--config {a.config}: not valid YAML ({str(e).splitlines()[0]})")
+    world = 1
+    for size in (a.preset.get("parallel") or {}).values():
+        world = max(world, int(size))
+    if world > 1:
+        p.error(f"--config {a.config.name} needs {world} ranks; multi-rank runs arrive with the distributed executor")
+    a.dtype = DTYPES[a.dtype or a.preset.get("dtype", "bf16")]
     return a
-
-
-@torch.no_grad()
-def greedy(model, prompt_ids: list[list[int]], max_tokens: int, eos: set[int]) -> list[list[int]]:
-    outs = [[] for _ in prompt_ids]
-    live = list(range(len(prompt_ids)))
-    for _ in range(max_tokens):
-        batch = Batch.from_prompts([prompt_ids[i] + outs[i] for i in live], backend.device())
-        hidden = model(batch)[batch.cu_seqlens[1:].long() - 1]  # last token of each sequence
-        for i, tok in zip(live, model.compute_logits(hidden).argmax(-1).tolist()):
-            outs[i].append(tok)
-        live = [i for i in live if outs[i][-1] not in eos]
-        if not live:
-            break
-    return outs
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    path = a.weights
-    if path is None:
-        path = TINY
-        if not (TINY / "config.json").exists():
-            write_tiny_checkpoint(TINY)
+    path = a.weights or TINY
+    if a.weights is None and not (TINY / "config.json").exists():
+        write_tiny_checkpoint(TINY)
     try:
-        model = load_model(path, DTYPES[a.dtype], backend.device())
-    except CheckpointError as e:
+        model = load_model(path, a.dtype, backend.device())
+        llm = LLM(model, AutoTokenizer.from_pretrained(path), **(a.preset.get("engine") or {}))
+    except (CheckpointError, ValueError, TypeError, OSError) as e:
         print("error: " + "; ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
         return 2
-    tok = AutoTokenizer.from_pretrained(path)
     prompts = [line.strip() for line in a.prompts.read_text().splitlines() if line.strip()]
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-             for p in prompts]
-    ids = [tok(t, add_special_tokens=False).input_ids for t in texts]  # the template already has the BOS
-    t0 = time.perf_counter()
-    outs = greedy(model, ids, a.max_tokens, set(model.args.eos_token_ids))
-    dt = time.perf_counter() - t0
-    for p, o in zip(prompts, outs):
-        print(f"> {p}\n{tok.decode(o, skip_special_tokens=True)!r}")
-    n = sum(map(len, outs))
-    print(f"requests={len(prompts)} prompt_tokens={sum(map(len, ids))} generated_tokens={n} "
-          f"tok/s={n / dt:.1f} device={backend.device_type()}")
+    texts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    backend.reset_peak_memory()
+    outputs = llm.generate(texts, a.sampling)
+    for prompt, out in zip(prompts, outputs):
+        print(f"> {prompt}\n{out.text!r}  [{len(out.token_ids)} tokens, {out.finish_reason}]")
+    s = llm.engine.stats
+    print(f"requests={len(outputs)} prompt_tokens={sum(len(o.prompt_token_ids) for o in outputs)} "
+          f"generated_tokens={sum(len(o.token_ids) for o in outputs)} "
+          f"prefill_tok/s={s.prefill_tokens / max(s.prefill_time, 1e-9):.1f} "
+          f"decode_tok/s={s.decode_tokens / max(s.decode_time, 1e-9):.1f} "
+          f"peak_memory={backend.peak_memory_bytes() / 2**20:.0f}MiB device={backend.device_type()}")
     return 0
 
 

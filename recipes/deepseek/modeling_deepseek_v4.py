@@ -15,28 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import ops
-from config_deepseek_v4 import CSA, HCA, SLIDING, ModelArgs
+from common.engine.forward_batch import ForwardBatch
+from common.kv_cache import CacheGroupSpec
+from config_deepseek_v4 import CSA, SLIDING, ModelArgs
+
+WINDOW = "window"  # token-level group: sliding-window KV + the compressors' per-token state
 
 
-@dataclass
-class Batch:
-    """What one forward needs about its packed sequences (prefill from scratch: q == kv)."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64, position of each token in its sequence
-    cu_seqlens: torch.Tensor  # [B+1] int32
-
-    @classmethod
-    def from_prompts(cls, prompts: list[list[int]], device=None) -> "Batch":
-        lens = torch.tensor([len(p) for p in prompts])
-        cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
-        pos = torch.cat([torch.arange(n) for n in lens.tolist()])
-        return cls(ids.to(device), pos.to(device), cu.to(device))
-
-    @property
-    def seq_lens(self) -> list[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+def compressed_group(ratio: int) -> str:
+    return f"compressed{ratio}"
 
 
 def rope_inv_freq(dim: int, theta: float, yarn: dict | None) -> torch.Tensor:
@@ -92,37 +79,61 @@ class Compressor(nn.Module):
 
     With `overlap` (CSA) each token projects two series [Ca | Cb]; entry w pools window w-1's Ca with
     window w's Cb over 2*ratio slots. Without it (HCA) entry w pools window w alone.
+    Caches: `state` keeps each token's [kv | gate] projection in the window group (the unfinished group and,
+    for CSA, the previous window); `entries` holds the compressed entries, block_size/ratio per block.
     """
 
     def __init__(self, args: ModelArgs, ratio: int, head_dim: int, overlap: bool, rope: Rope):
         super().__init__()
         self.ratio, self.head_dim, self.overlap, self.rope = ratio, head_dim, overlap, rope
-        width = head_dim * (2 if overlap else 1)
-        self.wkv = nn.Linear(args.hidden_size, width, bias=False)
-        self.wgate = nn.Linear(args.hidden_size, width, bias=False)
-        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.width = head_dim * (2 if overlap else 1)
+        self.wkv = nn.Linear(args.hidden_size, self.width, bias=False)
+        self.wgate = nn.Linear(args.hidden_size, self.width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, self.width, dtype=torch.float32))
         self.norm = RMSNorm(head_dim, args.rms_norm_eps)
+        self.state = self.entries = None
+        self.span = 2 * ratio if overlap else ratio  # tokens pooled into one entry
 
-    def forward(self, x: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (entries [C, head_dim] of all sequences, cu_entries [B+1])."""
-        kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
-        r, d, out, counts = self.ratio, self.head_dim, [], []
-        for start, n in zip(batch.cu_seqlens[:-1].tolist(), batch.seq_lens):
-            w = n // r
-            ckv = kv[start : start + w * r].view(w, r, kv.shape[-1])  # [W, r, width]
-            cg = gate[start : start + w * r].view(w, r, kv.shape[-1]) + self.ape  # [W, r, width]
-            if self.overlap:
-                prev_kv = F.pad(ckv[:-1, :, :d], (0, 0, 0, 0, 1, 0))  # [W, r, d], zeros before window 0
-                prev_g = F.pad(cg[:-1, :, :d], (0, 0, 0, 0, 1, 0), value=float("-inf"))
-                ckv = torch.cat([prev_kv, ckv[:, :, d:]], dim=1)  # [W, 2r, d]
-                cg = torch.cat([prev_g, cg[:, :, d:]], dim=1)
-            pooled = (ckv * cg.softmax(dim=1, dtype=torch.float32).to(ckv.dtype)).sum(dim=1)  # [W, d]
-            pooled = self.norm(pooled)
-            cos, sin = self.rope.cos_sin(torch.arange(w, device=x.device) * r)
-            out.append(self.rope(pooled[:, None], cos, sin)[:, 0])
-            counts.append(w)
-        cu = F.pad(torch.tensor(counts, device=x.device).cumsum(0), (1, 0)).to(torch.int32)
-        return torch.cat(out), cu
+    def allocate(self, num_blocks: dict[str, int], block_size: int, dtype, device):
+        self.state = torch.zeros(num_blocks[WINDOW], block_size, 1, 2 * self.width, dtype=dtype, device=device)
+        group = compressed_group(self.ratio)
+        self.entries = torch.zeros(num_blocks[group], block_size // self.ratio, 1, self.head_dim, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's projections, emit the entries completed by its tokens, and return every entry of
+        the batch's sequences: (entries [C, head_dim], cu_entries [B+1])."""
+        r, d, bs = self.ratio, self.head_dim, batch.block_size
+        proj = torch.cat([self.wkv(x), self.wgate(x)], dim=-1)  # [T, 2*width]
+        ops.reshape_and_cache(proj[:, None], None, self.state, None, batch.slot_mapping[WINDOW])
+        done = ((batch.positions + 1) % r == 0).nonzero()[:, 0]  # tokens that complete an entry
+        if done.numel():
+            w = batch.positions[done] // r  # [M] entry index in its sequence
+            pos = w[:, None] * r + r - self.span + torch.arange(self.span, device=x.device)  # [M, span]
+            table = batch.block_tables[WINDOW][batch.seq_ids[done]]  # [M, max_blocks]
+            slots = table.gather(1, pos.clamp(min=0) // bs).long() * bs + pos.clamp(min=0) % bs
+            kv, gate = self.state.view(-1, 2 * self.width)[slots].split(self.width, dim=-1)  # [M, span, width]
+            gate = gate.float() + self.ape.repeat(self.span // r, 1)  # ape by offset in the window
+            if self.overlap:  # first r slots: previous window's Ca; last r: this window's Cb
+                kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)  # [M, 2r, d]
+                gate = torch.cat([gate[:, :r, :d], gate[:, r:, d:]], dim=1)
+            gate = gate.masked_fill((pos < 0)[..., None], float("-inf"))
+            pooled = self.norm((kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1))  # [M, d]
+            cos, sin = self.rope.cos_sin(w * r)
+            pooled = self.rope(pooled[:, None], cos, sin)  # [M, 1, d]
+            ops.reshape_and_cache(pooled, None, self.entries, None, self._entry_slots(batch, batch.seq_ids[done], w))
+        return self._gather(batch)
+
+    def _entry_slots(self, batch: ForwardBatch, seqs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        per_block = batch.block_size // self.ratio
+        table = batch.block_tables[compressed_group(self.ratio)]
+        return table[seqs, w // per_block].long() * per_block + w % per_block
+
+    def _gather(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = batch.seq_lens.long() // self.ratio  # [B] entries of each sequence
+        cu = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)  # [B+1]
+        seqs = torch.repeat_interleave(torch.arange(batch.num_seqs, device=counts.device), counts)  # [C]
+        w = torch.arange(seqs.numel(), device=counts.device) - cu[:-1].long()[seqs]  # [C]
+        return self.entries.view(-1, self.head_dim)[self._entry_slots(batch, seqs, w)], cu
 
 
 class Indexer(nn.Module):
@@ -137,14 +148,14 @@ class Indexer(nn.Module):
         self.rope = rope
         self.scale = (self.head_dim * self.n_heads) ** -0.5
 
-    def forward(self, x, q_lora, cos, sin, batch: Batch) -> torch.Tensor:
+    def forward(self, x, q_lora, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         """-> indices [T, topk] into the layer's compressed entries of all sequences, -1 where empty."""
         keys, cu_keys = self.compressor(x, batch)  # [C, Di]
         q = self.wq_b(q_lora).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         q = self.rope(q, cos, sin)
         weights = self.weights_proj(x).float() * self.scale  # [T, Hi]
         visible = (batch.positions + 1) // self.ratio  # [T]
-        return ops.lightning_indexer(q, keys, weights, batch.cu_seqlens, cu_keys, visible, self.topk)
+        return ops.lightning_indexer(q, keys, weights, batch.cu_seqlens_q, cu_keys, visible, self.topk)
 
 
 class Attention(nn.Module):
@@ -168,25 +179,33 @@ class Attention(nn.Module):
         self.compressor = None if self.kind == SLIDING else Compressor(args, self.ratio, self.head_dim, self.kind == CSA, self.rope)
         self.indexer = Indexer(args, self.ratio, self.rope) if self.kind == CSA else None
         self.scale = self.head_dim**-0.5
+        self.kv_cache = None  # [blocks, block_size, 1, Dh] in the window group, from allocate()
 
-    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def allocate(self, num_blocks: dict[str, int], block_size: int, dtype, device):
+        self.kv_cache = torch.zeros(num_blocks[WINDOW], block_size, 1, self.head_dim, dtype=dtype, device=device)
+        for c in (self.compressor, self.indexer and self.indexer.compressor):
+            if c is not None:
+                c.allocate(num_blocks, block_size, dtype, device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
         cos, sin = self.rope.cos_sin(batch.positions)  # [T, rope_dim]
         q_lora = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
         q = self.wq_b(q_lora).view(T, self.n_heads, self.head_dim)  # [T, H, Dh]
         q = self.rope(ops.rms_norm(q, None, self.eps), cos, sin)
-        kv = self.kv_norm(self.wkv(x)).view(T, 1, self.head_dim)  # [T, 1, Dh], K = V
-        kv = self.rope(kv, cos, sin)
-        cu = batch.cu_seqlens
-        o, lse = ops.attention(q, kv, kv, cu, cu, self.scale, causal=True, sliding_window=self.window, return_lse=True)
-        entries, cu_entries = self.compressor(x, batch) if self.compressor is not None else (x[:0], None)  # [C, Dh]
-        if entries.shape[0]:
+        kv = self.rope(self.kv_norm(self.wkv(x)).view(T, 1, self.head_dim), cos, sin)  # [T, 1, Dh], K = V
+        ops.reshape_and_cache(kv, None, self.kv_cache, None, batch.slot_mapping[WINDOW])
+        o, lse = ops.paged_attention(q, self.kv_cache, None, batch.block_tables[WINDOW], batch.seq_lens,
+                                     batch.cu_seqlens_q, self.scale, sliding_window=self.window, return_lse=True)
+        if self.compressor is not None:
+            entries, cu_entries = self.compressor(x, batch)  # [C, Dh]
             if self.indexer is not None:
                 idx = self.indexer(x, q_lora, cos, sin, batch)  # [T, k]
             else:
                 idx = visible_entries(batch, cu_entries, self.ratio)  # [T, max visible]
-            oc, lsec = ops.sparse_attention(q, entries[:, None], entries[:, None], idx, self.scale, return_lse=True)
-            o, lse = ops.merge_attention_states(o, lse, oc, lsec)
+            if entries.shape[0]:
+                oc, lsec = ops.sparse_attention(q, entries[:, None], entries[:, None], idx, self.scale, return_lse=True)
+                o, lse = ops.merge_attention_states(o, lse, oc, lsec)
         o = ops.apply_attention_sinks(o, lse, self.attn_sink)  # [T, H, Dh]
         o = self.rope(o, cos, -sin)  # undo the keys' rotation carried into the values
         o = o.reshape(T, self.groups, -1)  # [T, G, H*Dh/G]
@@ -195,13 +214,12 @@ class Attention(nn.Module):
         return self.wo_b(o)
 
 
-def visible_entries(batch: Batch, cu_entries: torch.Tensor, ratio: int) -> torch.Tensor:
+def visible_entries(batch: ForwardBatch, cu_entries: torch.Tensor, ratio: int) -> torch.Tensor:
     """HCA: every causally visible entry of the query's own sequence, as global rows; -1 pads. -> [T, max]"""
     visible = (batch.positions + 1) // ratio  # [T]
     width = max(int(visible.max()), 1) if visible.numel() else 1
-    seq = torch.repeat_interleave(torch.arange(len(batch.seq_lens), device=visible.device), torch.tensor(batch.seq_lens, device=visible.device))
     ar = torch.arange(width, device=visible.device)
-    idx = cu_entries[:-1][seq, None].long() + ar  # [T, width]
+    idx = cu_entries[:-1].long()[batch.seq_ids, None] + ar  # [T, width]
     return torch.where(ar < visible[:, None], idx, -1)
 
 
@@ -299,7 +317,7 @@ class Block(nn.Module):
         p = lambda k: getattr(self, f"hc_{site}_{k}")  # noqa: E731
         return hc_pre(x, p("fn"), p("base"), p("scale"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, n, D] -> [T, n, D]"""
         h, post, comb = self._hc("attn", x)
         x = hc_post(self.attn(self.attn_norm(h), batch), x, post, comb)
@@ -324,7 +342,35 @@ class DeepseekV4(nn.Module):
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         self.head = nn.Linear(D, args.vocab_size, bias=False)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def cache_specs(self, block_size: int) -> list[CacheGroupSpec]:
+        """One token-level window group (KV + compressor state) and one compressed group per compress ratio."""
+        a = self.args
+        ratios = sorted({a.compress_rate(i) for i in range(a.num_hidden_layers)} - {0})
+        if any(block_size % r for r in ratios):
+            raise ValueError(f"block_size {block_size} must be a multiple of every compress ratio {ratios}")
+        keep = max([a.sliding_window] + [l.attn.compressor.span for l in self.layers if l.attn.compressor])
+        return [CacheGroupSpec(WINDOW, block_size, keep)] + [CacheGroupSpec(compressed_group(r), block_size) for r in ratios]
+
+    def allocate_caches(self, num_blocks: dict[str, int], block_size: int, dtype=None):
+        dtype = dtype or self.embed.weight.dtype
+        for layer in self.layers:
+            layer.attn.allocate(num_blocks, block_size, dtype, self.embed.weight.device)
+
+    def cache_bytes_per_block(self, block_size: int) -> dict[str, int]:
+        """Bytes one block of each group takes over all layers (from a one-block allocation)."""
+        groups = [g.name for g in self.cache_specs(block_size)]
+        self.allocate_caches(dict.fromkeys(groups, 1), block_size)
+        sizes = dict.fromkeys(groups, 0)
+        for layer in self.layers:
+            attn = layer.attn
+            sizes[WINDOW] += attn.kv_cache.nbytes
+            for c in (attn.compressor, attn.indexer and attn.indexer.compressor):
+                if c is not None:
+                    sizes[WINDOW] += c.state.nbytes
+                    sizes[compressed_group(c.ratio)] += c.entries.nbytes
+        return sizes
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> final hidden states [T, D] (feed the rows you need to `compute_logits`)."""
         a = self.args
         x = self.embed(batch.input_ids).unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()  # [T, n, D]
@@ -337,3 +383,12 @@ class DeepseekV4(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()  # [N, V]
+
+
+@torch.no_grad()
+def prefill_logits(model: DeepseekV4, prompts: list[list[int]], block_size: int = 16) -> torch.Tensor:
+    """Logits of every prompt position [T, V]: the whole prompts in one step over fresh contiguous caches."""
+    groups = [g.name for g in model.cache_specs(block_size)]
+    batch, num_blocks = ForwardBatch.prefill(prompts, groups, block_size, model.embed.weight.device)
+    model.allocate_caches(dict.fromkeys(groups, num_blocks), block_size)
+    return model.compute_logits(model(batch))

@@ -18,17 +18,20 @@ def test_default_run_writes_the_tiny_checkpoint_and_generates():
     assert r.returncode == 0, r.stderr
     completions = [line for line in r.stdout.splitlines() if line.startswith("> ")]
     assert len(completions) == 4  # the bundled prompts file
-    stats = r.stdout.strip().splitlines()[-1]
-    assert stats.startswith("requests=4 ") and "generated_tokens=" in stats
-    assert int(stats.split("generated_tokens=")[1].split()[0]) > 0
+    stats = dict(kv.split("=") for kv in r.stdout.strip().splitlines()[-1].split())
+    assert stats["requests"] == "4" and int(stats["generated_tokens"]) == 4 * 3
+    assert float(stats["prefill_tok/s"]) > 0 and float(stats["decode_tok/s"]) > 0 and "peak_memory" in stats
     assert (RUN_SH.parents[2] / "weights" / "deepseek-v4-tiny" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("args, needle", [
-    (("--max-tokens", "0"), "--max-tokens"),
+    (("--max-tokens", "0"), "max_tokens"),
     (("--weights", "/no/such/dir"), "/no/such/dir"),
     (("--prompts", "/no/such/file"), "/no/such/file"),
     (("--dtype", "fp64"), "--dtype"),
+    (("--temperature", "-1"), "temperature"),
+    (("--top-p", "0"), "top_p"),
+    (("--config", "configs/atlas-a3-flash.yaml"), "needs 16 ranks"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, needle):
     r = run(*args)

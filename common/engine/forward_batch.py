@@ -1,0 +1,62 @@
+"""The inputs of one model forward, built explicitly by the model runner (no module-global state).
+
+Packed, token-major: T = the new tokens of all B scheduled sequences, in order. Cache groups are named by
+the model (see common.kv_cache.CacheGroupSpec); every group is a token-block table of `block_size` tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, position of each token in its sequence
+    seq_ids: torch.Tensor  # [T] int64, which of the B sequences each token belongs to
+    cu_seqlens_q: torch.Tensor  # [B+1] int32, bounds of each sequence's new tokens
+    seq_lens: torch.Tensor  # [B] int32, kv length of each sequence after this step
+    block_size: int
+    block_tables: dict[str, torch.Tensor]  # group -> [B, max_blocks] int32, null block 0 where absent
+    slot_mapping: dict[str, torch.Tensor]  # group -> [T] int64, cache row of each new token
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @classmethod
+    def build(cls, new_tokens: list[list[int]], num_computed: list[int], block_tables: list[dict[str, list[int]]],
+              block_size: int, device=None) -> "ForwardBatch":
+        """new_tokens[b]: the tokens computed this step for sequence b, which already has num_computed[b] in cache."""
+        q_lens = [len(t) for t in new_tokens]
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_computed, q_lens)])  # [T]
+        seq_ids = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))  # [T]
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(q_lens).cumsum(0)
+        tables, slots = {}, {}
+        for group in block_tables[0] if block_tables else ():
+            rows = [t[group] for t in block_tables]
+            table = torch.zeros(len(rows), max(map(len, rows), default=0) or 1, dtype=torch.int32)  # [B, M]
+            for b, row in enumerate(rows):
+                table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+            tables[group] = table.to(device)
+            blocks = table[seq_ids, positions // block_size].long()  # [T]
+            slots[group] = (blocks * block_size + positions % block_size).to(device)
+        return cls(
+            input_ids=torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.long, device=device),
+            positions=positions.to(device), seq_ids=seq_ids.to(device), cu_seqlens_q=cu.to(device),
+            seq_lens=torch.tensor([c + n for c, n in zip(num_computed, q_lens)], dtype=torch.int32, device=device),
+            block_size=block_size, block_tables=tables, slot_mapping=slots,
+        )
+
+    @classmethod
+    def prefill(cls, prompts: list[list[int]], groups: list[str], block_size: int, device=None):
+        """Whole prompts in one step over contiguous fresh blocks (block 0 stays null).
+        Returns (batch, blocks needed per group) for tests and one-shot forwards."""
+        tables, next_block = [], 1
+        for p in prompts:
+            n = -(-len(p) // block_size)
+            tables.append({g: list(range(next_block, next_block + n)) for g in groups})
+            next_block += n
+        return cls.build(prompts, [0] * len(prompts), tables, block_size, device), next_block

@@ -1,0 +1,48 @@
+"""One generation request as the scheduler tracks it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampler import TokenLogprobs, make_generator
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache (prefill skipped) at first schedule
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    text: str = ""
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        self.generator = make_generator(self.sampling_params.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

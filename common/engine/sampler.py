@@ -1,0 +1,98 @@
+"""Next-token sampling for a batch of requests with their own SamplingParams.
+
+Greedy rows take the argmax (ties: the lowest id). The others divide by their temperature, keep their top-k logits,
+then their nucleus (the smallest set of the most likely tokens whose probability sums to >= top_p, computed on the
+top-k renormalised distribution, as vLLM does), and sample by the exponential race: argmax(probs / E) with
+E ~ Exponential(1) is a draw from probs, with no torch.multinomial and no host sync. A row with a seed draws its E
+from its own torch.Generator (make_generator, kept by the caller across steps), so its tokens depend on its seed
+alone, not on its batch position or companions; the other rows draw from the global RNG.
+
+Logprobs are the log_softmax of the raw logits, before temperature / top-k / top-p (vLLM's default "raw_logprobs"):
+they describe the model, not the sampling settings, and a greedy row gets the same numbers as a sampled one.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The per-request RNG for a seeded request (None without a seed: the row uses the global RNG)."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed % 2**64)  # any int, as torch maps negative seeds
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int  # the sampled token
+    logprob: float  # its log_softmax(raw logits)
+    top: list[tuple[int, float]]  # the request's `logprobs` largest (token_id, logprob), best first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # [B]
+    logprobs: list[TokenLogprobs | None] | None = None  # [B], None for rows that did not ask; None if none asked
+
+
+class Sampler:
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None] | None = None) -> SamplerOutput:
+        logits = logits.float()  # [B, V]
+        generators = generators or [None] * len(params)
+        assert logits.size(0) == len(params) == len(generators)
+        token_ids = self.sample(logits, params, generators)  # [B]
+        if all(p.logprobs is None for p in params):
+            return SamplerOutput(token_ids.tolist())
+        return SamplerOutput(*self.logprobs(logits, token_ids, params))
+
+    def sample(self, logits, params, generators) -> torch.Tensor:
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        B, V = logits.shape
+        device = logits.device
+        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
+        scaled = logits / temperature[:, None]  # [B, V]
+        top_k = [V if g or p.top_k < 0 else min(p.top_k, V) for p, g in zip(params, greedy)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        if any(k < V for k in top_k) or any(p < 1 for p in top_p):
+            scaled = apply_top_k_top_p(scaled, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+        probs = scaled.softmax(dim=-1)  # [B, V]
+        noise = torch.empty_like(probs)  # [B, V] ~ Exponential(1)
+        seeded = [i for i, (g, gen) in enumerate(zip(greedy, generators)) if not g and gen is not None]
+        if len(seeded) < B:
+            noise.exponential_()
+        for i in seeded:
+            noise[i].exponential_(generator=generators[i])
+        sampled = probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)  # [B]
+        if not any(greedy):
+            return sampled
+        return torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), sampled)
+
+    def logprobs(self, logits, token_ids, params) -> tuple[list[int], list[TokenLogprobs | None]]:
+        logprobs = logits.log_softmax(dim=-1)  # [B, V], raw logits: see the module docstring
+        sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
+        n = max(p.logprobs or 0 for p in params)
+        top_values, top_ids = logprobs.topk(n, dim=-1)  # [B, n], sorted descending
+        ids, sampled, top_ids, top_values = token_ids.tolist(), sampled.tolist(), top_ids.tolist(), top_values.tolist()
+        return ids, [None if p.logprobs is None else
+                     TokenLogprobs(ids[i], sampled[i], list(zip(top_ids[i][:p.logprobs], top_values[i][:p.logprobs])))
+                     for i, p in enumerate(params)]
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits outside each row's top_k (exactly k tokens, ties to the lower id), then outside the
+    nucleus of what is left: a token stays if the tokens ranked above it sum to < top_p (so the top one always does;
+    top_p = 1 keeps all, whatever the rounding of the sum).
+    logits [B, V], top_k [B] in [1, V], top_p [B] in (0, 1]."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    ranks = torch.arange(logits.size(-1), device=logits.device)  # [V]
+    sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)  # [B, V]
+    mass_above = probs.cumsum(dim=-1) - probs  # [B, V]
+    sorted_logits.masked_fill_((mass_above >= top_p[:, None]) & (top_p[:, None] < 1), float("-inf"))  # 1: off
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

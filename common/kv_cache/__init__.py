@@ -1,0 +1,7 @@
+"""Paged KV cache bookkeeping: cache group specs, block pools (block 0 = null), prefix caching by chained hashes."""
+from .block_hash import hash_block, hash_blocks
+from .block_pool import NULL_BLOCK, BlockPool
+from .kv_cache_manager import KVCacheManager, KVCacheStats
+from .spec import CacheGroupSpec
+
+__all__ = ["CacheGroupSpec", "BlockPool", "NULL_BLOCK", "KVCacheManager", "KVCacheStats", "hash_block", "hash_blocks"]

@@ -1,0 +1,164 @@
+"""Which blocks each request holds in each cache group; prefix-cache hits; freeing what a sliding window left behind.
+
+One manager per engine. Pure bookkeeping: the model owns the cache tensors and reads them through `block_table`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .block_hash import hash_blocks
+from .block_pool import NULL_BLOCK, BlockPool
+from .spec import CacheGroupSpec
+
+
+@dataclass(slots=True)
+class KVCacheStats:
+    prefix_cache_queries: int = 0  # tokens of the requests admitted (first successful allocate)
+    prefix_cache_hits: int = 0  # of those, tokens whose cache came from the prefix cache
+
+
+@dataclass(slots=True)
+class _Request:
+    tables: dict[str, list[int]]
+    hashes: list[int] = field(default_factory=list)  # of the request's computed full blocks
+    num_cached_blocks: int = 0  # leading blocks whose hashes are registered in the pools
+
+
+class KVCacheManager:
+    def __init__(self, specs: list[CacheGroupSpec], num_blocks: dict[str, int], enable_prefix_caching: bool = True):
+        names = [s.name for s in specs]
+        assert names and len(set(names)) == len(names), f"cache group names must be unique: {names}"
+        assert set(num_blocks) == set(names), f"num_blocks {sorted(num_blocks)} != cache groups {sorted(names)}"
+        self.block_size = specs[0].block_size
+        assert all(s.block_size == self.block_size for s in specs), \
+            f"every cache group must share one block_size in tokens (block hashes are shared): {specs}"
+        self.specs = {s.name: s for s in specs}
+        self.num_blocks = dict(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pools = {name: BlockPool(n, enable_prefix_caching) for name, n in num_blocks.items()}
+        self.stats = KVCacheStats()
+        self._requests: dict[str, _Request] = {}
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def num_free_blocks(self, group: str | None = None) -> int:
+        if group is not None:
+            return self.pools[group].num_free_blocks
+        return sum(p.num_free_blocks for p in self.pools.values())
+
+    def usage(self) -> float:
+        """Fraction of the usable blocks (the null blocks excluded) held by requests, over all groups."""
+        usable = sum(p.num_blocks - 1 for p in self.pools.values())
+        return 1 - self.num_free_blocks() / usable
+
+    def all_blocks_free(self) -> bool:
+        return all(p.num_free_blocks == p.num_blocks - 1 for p in self.pools.values())
+
+    def block_table(self, request_id: str) -> dict[str, list[int]]:
+        """Group name -> block ids by block index (null block 0 where a window left them); the lists are live."""
+        return dict(self._requests[request_id].tables)
+
+    def get_computed_tokens(self, request_id: str, token_ids: list[int]) -> int:
+        """For a new request: how many leading tokens (whole blocks, fewer than all) the cache already holds in every
+        group. A full group needs all blocks before that point; a window group only those its next query reads."""
+        assert request_id not in self._requests, f"{request_id} already holds blocks"
+        if not self.enable_prefix_caching or not token_ids:
+            return 0
+        hashes = hash_blocks(token_ids, self.block_size, num_tokens=len(token_ids) - 1)
+        cached = {g: [p.lookup(h) is not None for h in hashes] for g, p in self.pools.items()}
+        n = len(hashes)
+        while (m := min(self._longest_hit(spec, cached[g], n) for g, spec in self.specs.items())) < n:
+            n = m  # a window group's hit at n does not imply one at m < n: check every group again
+        return n * self.block_size
+
+    def _longest_hit(self, spec: CacheGroupSpec, cached: list[bool], n: int) -> int:
+        """The most blocks k <= n such that every block the group needs for positions < k * block_size is cached."""
+        last_miss = [-1] * (n + 1)  # last_miss[k]: the last uncached block before block k
+        for i in range(n):
+            last_miss[i + 1] = last_miss[i] if cached[i] else i
+        return next(k for k in range(n, -1, -1) if last_miss[k] < spec.first_needed_block(k * self.block_size))
+
+    def allocate(self, request_id: str, token_ids: list[int], num_computed_tokens: int, num_new_tokens: int,
+                 num_cached_tokens: int = 0) -> bool:
+        """Make room for positions [num_computed_tokens, num_computed_tokens + num_new_tokens). On a request's first
+        call, num_cached_tokens = get_computed_tokens(...) = num_computed_tokens takes those hit blocks; later calls
+        ignore it. Blocks no window query will read again are freed. All or nothing: False, and no pool changed,
+        when some group lacks blocks (the scheduler then waits or preempts)."""
+        req = self._requests.get(request_id)
+        new = req is None
+        if new:
+            assert num_computed_tokens == num_cached_tokens, \
+                f"{request_id}: a new request has computed only its cached tokens ({num_cached_tokens}), " \
+                f"not {num_computed_tokens}"
+            assert num_cached_tokens % self.block_size == 0 and (self.enable_prefix_caching or not num_cached_tokens), \
+                f"{request_id}: num_cached_tokens {num_cached_tokens} is not from get_computed_tokens"
+            req = self._hit(token_ids, num_cached_tokens // self.block_size)
+        num_needed = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
+        plan = {}
+        for g, spec in self.specs.items():
+            table, pool = req.tables[g], self.pools[g]
+            stale = _out_of_window(table, spec.first_needed_block(num_computed_tokens))
+            num_alloc = max(0, num_needed - len(table))
+            revived = sum(i != NULL_BLOCK and pool.blocks[i].ref_cnt == 0 for i in table) if new else 0
+            released = sum(pool.blocks[table[i]].ref_cnt == 1 for i in stale)
+            if num_alloc > pool.num_free_blocks - revived + released:
+                return False
+            plan[g] = stale, num_alloc
+        if new:
+            for g, pool in self.pools.items():
+                pool.touch(req.tables[g])
+            self._requests[request_id] = req
+            if self.enable_prefix_caching:
+                self.stats.prefix_cache_queries += len(token_ids)
+                self.stats.prefix_cache_hits += num_cached_tokens
+        self.cache_blocks(request_id, token_ids, num_computed_tokens)  # before the window frees computed blocks
+        for g, (stale, num_alloc) in plan.items():
+            table, pool = req.tables[g], self.pools[g]
+            pool.free([table[i] for i in stale])
+            table[stale.start:stale.stop] = [NULL_BLOCK] * len(stale)
+            table += pool.allocate(num_alloc)
+        return True
+
+    def _hit(self, token_ids: list[int], num_blocks: int) -> _Request:
+        hashes = hash_blocks(token_ids, self.block_size, num_tokens=num_blocks * self.block_size)
+        tables = {}
+        for g, spec in self.specs.items():
+            first = spec.first_needed_block(num_blocks * self.block_size)
+            ids = [self.pools[g].lookup(h) for h in hashes[first:]]
+            if None in ids:
+                raise RuntimeError(f"group {g}: a prefix-cache hit was evicted since get_computed_tokens; "
+                                   "allocate a request right after querying it")
+            tables[g] = [NULL_BLOCK] * first + ids
+        return _Request(tables, hashes, num_cached_blocks=num_blocks)
+
+    def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Register the request's blocks that became full (all block_size tokens computed) under their hashes, in
+        every group whose table still holds them. Idempotent."""
+        if not self.enable_prefix_caching:
+            return
+        req = self._requests[request_id]
+        hash_blocks(token_ids, self.block_size, req.hashes, num_computed_tokens)
+        for g, pool in self.pools.items():
+            table = req.tables[g]
+            assert len(req.hashes) <= len(table), f"{request_id}: tokens computed beyond its allocated blocks"
+            for i in range(req.num_cached_blocks, len(req.hashes)):
+                pool.cache(table[i], req.hashes[i])
+        req.num_cached_blocks = len(req.hashes)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, last block first: its first blocks, the prefix most likely to be shared,
+        enter the free queue last and so are evicted last. Unknown ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            for g, pool in self.pools.items():
+                pool.free(reversed(req.tables[g]))
+
+
+def _out_of_window(table: list[int], first_needed: int) -> range:
+    """Indices of the blocks before `first_needed` that the table still holds (freed ones are a null prefix)."""
+    start = end = min(first_needed, len(table))
+    while start > 0 and table[start - 1] != NULL_BLOCK:
+        start -= 1
+    return range(start, end)

@@ -1,0 +1,120 @@
+"""DeepSeek-V4 through the engine (paged caches, continuous batching) against transformers.
+
+Reference: greedy decoding by full-sequence recompute with transformers.DeepseekV4ForCausalLM (argmax of the
+whole-sequence forward at each step). index_topk (64) is at least the number of compressed entries any
+sequence here reaches (85 tokens / ratio 4 = 21), so the indexer keeps every visible entry and exact score
+ties cannot change the selection between the two implementations.
+"""
+import pytest
+import torch
+from transformers import AutoTokenizer, DeepseekV4ForCausalLM
+
+from common.engine import LLM, SamplingParams
+from tiny_deepseek_v4 import write_tiny_checkpoint
+from weights_deepseek_v4 import load_model
+
+PROMPT_LENGTHS = (5, 13, 37, 22)
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("engine") / "ckpt", seed=11, quantized=False, index_topk=64)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = []  # per prompt: (greedy tokens, log_softmax of each step's logits)
+    with torch.no_grad():
+        for ids in prompts:
+            seq, logprobs = list(ids), []
+            for _ in range(NEW_TOKENS):
+                logits = hf(torch.tensor([seq])).logits[0, -1]
+                logprobs.append(torch.log_softmax(logits.float(), -1))
+                seq.append(int(logits.argmax()))
+            expected.append((seq[len(ids):], torch.stack(logprobs)))
+    return load_model(path, torch.float32), AutoTokenizer.from_pretrained(path), prompts, expected
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {},  # whole prompts, every request batched at once
+    {"max_num_batched_tokens": 8},  # chunked prefill: prompts split over several steps beside decodes
+    {"num_blocks": 12},  # too few blocks for all four: preemption by recompute
+], ids=["default", "chunked-prefill", "preemption"])
+def test_greedy_engine_equals_transformers_full_recompute(setup, engine_kwargs):
+    model, tok, prompts, expected = setup
+    llm = LLM(model, tok, block_size=16, **engine_kwargs)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, expected):
+        assert out.token_ids == tokens
+        assert out.finish_reason == "length"
+        for step, lp in enumerate(out.logprobs):
+            assert abs(lp.logprob - logprobs[step, lp.token_id].item()) < 1e-3
+            for token_id, value in lp.top:
+                assert abs(value - logprobs[step, token_id].item()) < 1e-3
+    engine = llm.engine
+    if "num_blocks" in engine_kwargs:
+        assert engine.scheduler.num_preemptions > 0
+    if "max_num_batched_tokens" in engine_kwargs:
+        assert max(engine.stats.step_tokens) <= 8
+    assert engine.kv_cache.all_blocks_free()
+
+
+def test_prefix_cache_hit_equals_miss_and_skips_shared_blocks(setup):
+    model, tok, prompts, _ = setup
+    shared = prompts[2][:32]  # two full blocks of 16
+    first, second = shared + [7, 8, 9], shared + [11, 12]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    cold = LLM(model, tok, block_size=16, enable_prefix_caching=False).generate([second], params, use_tqdm=False)[0]
+    llm = LLM(model, tok, block_size=16)
+    llm.generate([first], params, use_tqdm=False)
+    prefill_before = llm.engine.stats.prefill_tokens
+    warm = llm.generate([second], params, use_tqdm=False)[0]
+    assert warm.num_cached_tokens == 32 and cold.num_cached_tokens == 0
+    assert llm.engine.stats.prefill_tokens - prefill_before == len(second) - 32
+    assert warm.token_ids == cold.token_ids
+    assert llm.engine.kv_cache.all_blocks_free()
+
+
+def test_seeded_sampling_is_reproducible_across_batches(setup):
+    model, tok, prompts, _ = setup
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    llm = LLM(model, tok, block_size=16)
+    alone = llm.generate([prompts[1]], seeded, use_tqdm=False)[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    batched = llm.generate([prompts[0], prompts[1], prompts[3]], [others, seeded, others], use_tqdm=False)[1].token_ids
+    assert alone == batched
+    other_seed = llm.generate([prompts[1]], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=12,
+                                                          ignore_eos=True), use_tqdm=False)[0].token_ids
+    assert other_seed != alone
+    assert llm.engine.kv_cache.all_blocks_free()
+
+
+def test_stop_conditions(setup):
+    model, tok, prompts, expected = setup
+    tokens = expected[0][0]
+    llm = LLM(model, tok, block_size=16)
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[tokens[5]]),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == tokens[: tokens.index(tokens[5]) + 1]
+    text = tok.decode(tokens[:10], skip_special_tokens=True)
+    stop = text[len(text) // 2:][:3]
+    if stop:
+        out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=40, stop=[stop], ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert out.finish_reason == "stop" and stop not in out.text
+    assert llm.engine.kv_cache.all_blocks_free()
+
+
+def test_bad_requests_are_refused_up_front(setup):
+    model, tok, prompts, _ = setup
+    llm = LLM(model, tok, block_size=16, max_model_len=64, num_blocks=4)  # 3 usable blocks: 48 tokens
+    with pytest.raises(ValueError, match="at most 63"):
+        llm.generate([list(range(2, 80))], use_tqdm=False)
+    with pytest.raises(ValueError, match="needs 4 KV blocks; the cache has 3"):
+        llm.generate([prompts[2]], SamplingParams(max_tokens=20), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert llm.engine.kv_cache.all_blocks_free()
