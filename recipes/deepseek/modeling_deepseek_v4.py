@@ -200,9 +200,10 @@ class Attention(nn.Module):
         if self.compressor is not None:
             entries, cu_entries = self.compressor(x, batch)  # [C, Dh]
             if self.indexer is not None:
-                idx = self.indexer(x, q_lora, cos, sin, batch)  # [T, k]
+                idx = self.indexer(x, q_lora, cos, sin, batch)  # [T, k], valid entries first
             else:
                 idx = visible_entries(batch, cu_entries, self.ratio)  # [T, max visible]
+            idx = idx[:, : max(int((idx >= 0).sum(1).max()), 1)]  # drop all-empty columns
             if entries.shape[0]:
                 oc, lsec = ops.sparse_attention(q, entries[:, None], entries[:, None], idx, self.scale, return_lse=True)
                 o, lse = ops.merge_attention_states(o, lse, oc, lsec)

@@ -83,12 +83,13 @@ def random_state(args: ModelArgs, seed: int, head_scale: float = 8.0) -> dict[st
     return out
 
 
-def quantize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def quantize(state: dict[str, torch.Tensor], fp8_mxfp4: bool = True) -> dict[str, torch.Tensor]:
+    """The publisher's storage: FP8 / MXFP4 where they use it (if fp8_mxfp4), fp32 where they keep it, else bf16."""
     out = {}
     for name, t in state.items():
-        if _MXFP4.search(name):
+        if fp8_mxfp4 and _MXFP4.search(name):
             out[name], out[name.removesuffix("weight") + "scale"] = quantize_mxfp4(t)
-        elif _FP8.search(name):
+        elif fp8_mxfp4 and _FP8.search(name):
             out[name], out[name.removesuffix("weight") + "scale"] = quantize_fp8_block(t)
         elif t.is_floating_point() and not _FP32.search(name):
             out[name] = t.to(torch.bfloat16)
@@ -97,15 +98,16 @@ def quantize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_tiny_checkpoint(path, seed: int = 0, quantized: bool = True, max_shard_bytes: int | None = 256 * 1024,
+def write_tiny_checkpoint(path, seed: int = 0, quantized: bool | str = True, max_shard_bytes: int | None = 256 * 1024,
                           **overrides) -> Path:
-    """Write config.json, safetensors shards (+ index) and the tokenizer into `path`; returns the path."""
+    """Write config.json, safetensors shards (+ index) and the tokenizer into `path`; returns the path.
+    quantized: True = FP8 + MXFP4 as published, "bf16" = bf16 storage, False = fp32 (exact tests)."""
     path = Path(path)
     config = {**TINY_CONFIG, **overrides}
     args = ModelArgs.from_config(config)
     state = random_state(args, seed)
     if quantized:
-        state = quantize(state)
+        state = quantize(state, fp8_mxfp4=quantized is True)
     save_checkpoint(path, state, config, max_shard_bytes=max_shard_bytes)
     write_tokenizer(path, vocab_size=args.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE)
     return path

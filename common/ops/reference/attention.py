@@ -31,13 +31,17 @@ def _visible(q_len: int, kv_len: int, causal: bool, sliding_window: int | None, 
 
 
 def _attend(q, k, v, visible, scale):
-    """One sequence: q [Q, Hq, D], k / v [K, Hkv, D / Dv], visible [Q, K] -> fp32 out [Q, Hq, Dv], lse [Q, Hq]."""
-    groups = q.shape[1] // k.shape[1]
-    k = k.float().repeat_interleave(groups, dim=1)  # [K, Hq, D]
-    v = v.float().repeat_interleave(groups, dim=1)  # [K, Hq, Dv]
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, Q, K]
-    probs, lse = _masked_softmax(scores, visible)
-    return torch.einsum("hqk,khd->qhd", probs, v), lse.T
+    """One sequence: q [Q, Hq, D], k / v [K, Hkv, D / Dv], visible [Q, K] -> fp32 out [Q, Hq, Dv], lse [Q, Hq].
+    The G = Hq / Hkv query heads of a KV head share one GEMM (no K / V repeat)."""
+    Q, Hq, _ = q.shape
+    K, Hkv, _ = k.shape
+    G = Hq // Hkv
+    qg = q.float().view(Q, Hkv, G, -1).permute(1, 0, 2, 3).reshape(Hkv, Q * G, -1)  # [Hkv, Q*G, D]
+    scores = torch.bmm(qg, k.float().permute(1, 2, 0)) * scale  # [Hkv, Q*G, K]
+    probs, lse = _masked_softmax(scores.view(Hkv, Q, G, K), visible[None, :, None, :])  # [Hkv, Q, G, K]
+    out = torch.bmm(probs.view(Hkv, Q * G, K), v.float().transpose(0, 1))  # [Hkv, Q*G, Dv]
+    out = out.view(Hkv, Q, G, -1).permute(1, 0, 2, 3).reshape(Q, Hq, -1)  # [Q, Hq, Dv]
+    return out, lse.permute(1, 0, 2).reshape(Q, Hq)
 
 
 def apply_attention_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -87,12 +91,12 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Rows of each sequence, in order, out of a paged cache [num_blocks, block_size, ...] -> [sum(seq_lens), ...]."""
+def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:
+    """Rows [start, end) of each sequence, in order, out of a paged cache [num_blocks, block_size, ...]."""
     block_size = cache.shape[1]
     slots = []
-    for b, n in enumerate(seq_lens.tolist()):
-        pos = torch.arange(n, device=cache.device)
+    for b, (start, end) in enumerate(zip(starts, ends)):
+        pos = torch.arange(start, end, device=cache.device)
         slots.append(block_tables[b, pos // block_size].long() * block_size + pos % block_size)
     return cache.flatten(0, 1)[torch.cat(slots)]
 
@@ -115,10 +119,14 @@ def paged_attention(
     k_cache [num_blocks, block_size, Hkv, D], v_cache [num_blocks, block_size, Hkv, Dv] (None: V = K),
     block_tables [B, max_blocks] int32, seq_lens [B] int32 = kv length of each sequence, new tokens included.
     """
-    v_cache = k_cache if v_cache is None else v_cache
-    k = _gather_pages(k_cache, block_tables, seq_lens)  # [S, Hkv, D]
-    v = _gather_pages(v_cache, block_tables, seq_lens)  # [S, Hkv, Dv]
-    cu_seqlens_k = F.pad(seq_lens.cumsum(0), (1, 0)).int()  # [B+1]
+    ends, q_lens = seq_lens.tolist(), (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    starts = [0] * len(ends)
+    if sliding_window is not None:  # keys older than every query's window are never read
+        starts = [max(0, e - q - sliding_window + 1) for e, q in zip(ends, q_lens)]
+    k = _gather_pages(k_cache, block_tables, starts, ends)  # [S, Hkv, D]
+    v = k if v_cache is None else _gather_pages(v_cache, block_tables, starts, ends)  # [S, Hkv, Dv]
+    kv_lens = torch.tensor([e - s for s, e in zip(starts, ends)], device=seq_lens.device)
+    cu_seqlens_k = F.pad(kv_lens.cumsum(0), (1, 0)).int()  # [B+1]
     return attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, sliding_window, sinks, return_lse)
 
 
@@ -142,12 +150,14 @@ def sparse_attention(
     q [T, H, D], k [N, Hkv, D], v [N, Hkv, Dv], indices [T, K] global rows (-1 = empty slot).
     Returns out [T, H, Dv] (q.dtype) and, with return_lse, lse [T, H] fp32.
     """
+    T, H, _ = q.shape
+    Hkv = k.shape[1]
     valid = indices >= 0  # [T, K]
     rows = indices.clamp(min=0).long()  # [T, K]
-    groups = q.shape[1] // k.shape[1]
-    k_sel = k[rows].float().repeat_interleave(groups, dim=2)  # [T, K, H, D]
-    v_sel = v[rows].float().repeat_interleave(groups, dim=2)  # [T, K, H, Dv]
-    scores = torch.einsum("thd,tkhd->thk", q.float(), k_sel) * scale  # [T, H, K]
-    probs, lse = _masked_softmax(scores, valid[:, None, :])
-    out = torch.einsum("thk,tkhd->thd", probs, v_sel).to(q.dtype)  # [T, H, Dv]
-    return (out, lse) if return_lse else out
+    k_sel = k[rows].float().permute(0, 2, 3, 1)  # [T, Hkv, D, K]
+    v_sel = v[rows].float().permute(0, 2, 1, 3)  # [T, Hkv, K, Dv]
+    qg = q.float().view(T, Hkv, H // Hkv, -1)  # [T, Hkv, G, D]
+    scores = (qg @ k_sel) * scale  # [T, Hkv, G, K]
+    probs, lse = _masked_softmax(scores, valid[:, None, None, :])
+    out = (probs @ v_sel).reshape(T, H, -1).to(q.dtype)  # [T, H, Dv]
+    return (out, lse.reshape(T, H)) if return_lse else out

@@ -1,0 +1,147 @@
+"""The engine against transformers `generate` on the same ~200M-parameter DeepSeek-V4 checkpoint, in one run.
+
+    python bench.py [--threads 2] [--quick]
+
+Writes the checkpoint once (weights/deepseek-v4-bench, bf16, hidden 1024, every layer kind), then measures:
+decode tok/s at batch 1 and 16 (128-token prompts, 128 new tokens; decode = generate(128) - generate(1), the
+same for both sides); a mixed workload (64 requests, prompt and output lengths uniform in [32, 512], fixed
+seed) in total tok/s, transformers in static batches of 16; and the batch-1 decode roofline: active weight
+bytes per token over the memory read bandwidth measured here. Prints a table, then one line of ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, DeepseekV4ForCausalLM
+
+from common.engine import LLM, SamplingParams
+from config_deepseek_v4 import CSA, HCA, ModelArgs
+from tiny_deepseek_v4 import write_tiny_checkpoint
+from weights_deepseek_v4 import load_model
+
+BENCH = Path(__file__).resolve().parents[2] / "weights" / "deepseek-v4-bench"
+BENCH_CONFIG = dict(  # ~200M parameters, ~75M active per token
+    vocab_size=16384, hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
+    head_dim=128, q_lora_rank=384, qk_rope_head_dim=64, partial_rotary_factor=0.5, n_routed_experts=12,
+    num_experts_per_tok=2, layer_types=[HCA, HCA, CSA, HCA, CSA, HCA, CSA, HCA], compress_rates={CSA: 4, HCA: 128},
+    mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 5, sliding_window=128, o_groups=4, o_lora_rank=256,
+    index_n_heads=16, index_head_dim=64, index_topk=512, max_position_embeddings=4096,
+    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+)
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def read_bandwidth(gib: float = 1.0) -> float:
+    """Bytes/s of a streaming read (sum over a bf16 buffer larger than the caches), best of 5."""
+    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16)
+    x.sum()
+    return x.nbytes / min(timed(lambda: x.sum()) for _ in range(5))
+
+
+def active_bytes_per_token(model) -> int:
+    """Weights one decode token reads: all but the embedding table (one row) and the unrouted experts."""
+    a, total = model.args, 0
+    for name, p in model.named_parameters():
+        if name == "embed.weight":
+            total += p[0].nbytes
+        elif name.endswith(("experts.w13", "experts.w2")):
+            total += p.nbytes * a.num_experts_per_tok // a.n_routed_experts
+        else:
+            total += p.nbytes
+    return total
+
+
+def prompts(n: int, length: int | list[int], vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = length if isinstance(length, list) else [length] * n
+    return [torch.randint(10, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+def ours_generate(llm: LLM, batch: list[list[int]], new: int | list[int]):
+    news = new if isinstance(new, list) else [new] * len(batch)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in news]
+    return llm.generate(batch, params, use_tqdm=False)
+
+
+@torch.inference_mode()
+def hf_generate(hf, batch: list[list[int]], new: int, pad: int):
+    width = max(map(len, batch))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    return hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=pad)
+
+
+def decode_tok_s(gen, batch_size: int, vocab: int, seed: int, new: int = 128, prompt_len: int = 128) -> float:
+    full = timed(lambda: gen(prompts(batch_size, prompt_len, vocab, seed), new))
+    first = timed(lambda: gen(prompts(batch_size, prompt_len, vocab, seed + 1), 1))
+    return batch_size * (new - 1) / (full - first)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="small workloads (a smoke run, not the reported numbers)")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    if not (BENCH / "config.json").exists():
+        write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, **BENCH_CONFIG)
+    args = ModelArgs.from_config({**BENCH_CONFIG})
+    tok = AutoTokenizer.from_pretrained(BENCH)
+    model = load_model(BENCH, torch.bfloat16)
+    llm = LLM(model, tok, block_size=128, max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
+              kv_cache_memory_bytes=2 * 2**30)
+    hf = DeepseekV4ForCausalLM.from_pretrained(BENCH, dtype=torch.bfloat16).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    ours = lambda b, n: ours_generate(llm, b, n)  # noqa: E731
+    theirs = lambda b, n: hf_generate(hf, b, n, pad=0)  # noqa: E731
+    for gen in (ours, theirs):  # warm-up
+        gen(prompts(2, 16, args.vocab_size, 99), 4)
+
+    new = 16 if a.quick else 128
+    rows = []
+    for bs in (1, 16):
+        o = decode_tok_s(ours, bs, args.vocab_size, seed=bs, new=new)
+        t = decode_tok_s(theirs, bs, args.vocab_size, seed=bs, new=new)
+        rows.append((f"decode tok/s, batch {bs}", o, t))
+
+    n_req = 16 if a.quick else 64
+    g = torch.Generator().manual_seed(0)
+    lo, hi = (32, 96) if a.quick else (32, 512)
+    plens = torch.randint(lo, hi + 1, (n_req,), generator=g).tolist()
+    olens = torch.randint(lo, hi + 1, (n_req,), generator=g).tolist()
+    work = prompts(n_req, plens, args.vocab_size, seed=7)
+    total = sum(plens) + sum(olens)
+    o = total / timed(lambda: ours_generate(llm, work, olens))
+    t_hf = 0.0
+    for i in range(0, n_req, 16):
+        t_hf += timed(lambda: theirs(work[i : i + 16], max(olens[i : i + 16])))
+    rows.append(("mixed workload total tok/s", o, total / t_hf))
+
+    bw = read_bandwidth()
+    per_token = active_bytes_per_token(model)
+    roofline = bw / per_token
+    print(f"\nDeepSeek-V4 bench checkpoint: {n_params / 1e6:.0f}M parameters, {per_token / 2**20:.0f} MiB active "
+          f"weights per token (bf16); {a.threads} threads; {platform.processor() or platform.machine()}; "
+          f"read bandwidth {bw / 1e9:.1f} GB/s -> batch-1 roofline {roofline:.1f} tok/s")
+    print(f"{'metric':<30}{'engine':>12}{'transformers':>14}{'ratio':>8}")
+    for name, ours_v, theirs_v in rows:
+        print(f"{name:<30}{ours_v:>12.1f}{theirs_v:>14.1f}{ours_v / theirs_v:>7.2f}x")
+    b1_ours, b1_hf = rows[0][1], rows[0][2]
+    print(f"{'batch-1 roofline tok/s':<30}{roofline:>12.1f}{'':>14}")
+    print(f"ratios: batch1 {rows[0][1] / rows[0][2]:.2f}x, batch16 {rows[1][1] / rows[1][2]:.2f}x, "
+          f"mixed {rows[2][1] / rows[2][2]:.2f}x vs transformers; batch-1 decode at {roofline / b1_ours:.1f}x the "
+          f"roofline step time (transformers {roofline / b1_hf:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()
