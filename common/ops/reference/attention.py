@@ -18,30 +18,32 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.
     return probs, lse
 
 
-def _visible(q_len: int, kv_len: int, causal: bool, sliding_window: int | None, device) -> torch.Tensor:
-    """[q_len, kv_len] bool: key j visible to query i (absolute position kv_len - q_len + i)."""
-    pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]  # [Q, 1]
-    key = torch.arange(kv_len, device=device)[None, :]  # [1, K]
-    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+def _attend(q, k, v, seqs, causal: bool, sliding_window: int | None, scale: float):
+    """Some sequences, padded into one batch. seqs: [((q_start, q_end), (k_start, k_end))] rows of q and k / v.
+    -> fp32 out [sum Q, Hq, Dv], lse [sum Q, Hq] in packed order. The G = Hq / Hkv query heads of a KV head
+    share one GEMM (no K / V repeat)."""
+    dev = q.device
+    (q0, q1), (k0, k1) = (torch.tensor(b, device=dev).T for b in zip(*seqs))  # [B] each
+    q_lens, k_lens = q1 - q0, k1 - k0
+    qa, ka = torch.arange(int(q_lens.max()), device=dev), torch.arange(int(k_lens.max()), device=dev)
+    q_valid, k_valid = qa < q_lens[:, None], ka < k_lens[:, None]  # [B, Qm], [B, Km]
+    qp = q[(q0[:, None] + qa).clamp(max=q.shape[0] - 1)].float()  # [B, Qm, Hq, D]
+    kp = k[(k0[:, None] + ka).clamp(max=k.shape[0] - 1)].float()  # [B, Km, Hkv, D]
+    vp = v[(k0[:, None] + ka).clamp(max=v.shape[0] - 1)].float()  # [B, Km, Hkv, Dv]
+    pos = (k_lens - q_lens)[:, None] + qa  # [B, Qm] absolute position of each query
+    visible = q_valid[:, :, None] & k_valid[:, None, :]  # [B, Qm, Km]
     if causal:
-        visible &= key <= pos
+        visible &= ka <= pos[..., None]
     if sliding_window is not None:
-        visible &= pos - key < sliding_window
-    return visible
-
-
-def _attend(q, k, v, visible, scale):
-    """One sequence: q [Q, Hq, D], k / v [K, Hkv, D / Dv], visible [Q, K] -> fp32 out [Q, Hq, Dv], lse [Q, Hq].
-    The G = Hq / Hkv query heads of a KV head share one GEMM (no K / V repeat)."""
-    Q, Hq, _ = q.shape
-    K, Hkv, _ = k.shape
+        visible &= pos[..., None] - ka < sliding_window
+    (B, Qm, Hq, _), Hkv, Km = qp.shape, kp.shape[2], ka.shape[0]
     G = Hq // Hkv
-    qg = q.float().view(Q, Hkv, G, -1).permute(1, 0, 2, 3).reshape(Hkv, Q * G, -1)  # [Hkv, Q*G, D]
-    scores = torch.bmm(qg, k.float().permute(1, 2, 0)) * scale  # [Hkv, Q*G, K]
-    probs, lse = _masked_softmax(scores.view(Hkv, Q, G, K), visible[None, :, None, :])  # [Hkv, Q, G, K]
-    out = torch.bmm(probs.view(Hkv, Q * G, K), v.float().transpose(0, 1))  # [Hkv, Q*G, Dv]
-    out = out.view(Hkv, Q, G, -1).permute(1, 0, 2, 3).reshape(Q, Hq, -1)  # [Q, Hq, Dv]
-    return out, lse.permute(1, 0, 2).reshape(Q, Hq)
+    qg = qp.view(B, Qm, Hkv, G, -1).permute(0, 2, 1, 3, 4).reshape(B, Hkv, Qm * G, -1)  # [B, Hkv, Qm*G, D]
+    scores = (qg @ kp.permute(0, 2, 3, 1)) * scale  # [B, Hkv, Qm*G, Km]
+    probs, lse = _masked_softmax(scores.view(B, Hkv, Qm, G, Km), visible[:, None, :, None, :])
+    out = probs.view(B, Hkv, Qm * G, Km) @ vp.permute(0, 2, 1, 3)  # [B, Hkv, Qm*G, Dv]
+    out = out.view(B, Hkv, Qm, G, -1).permute(0, 2, 1, 3, 4).reshape(B, Qm, Hq, -1)[q_valid]  # [sum Q, Hq, Dv]
+    return out, lse.permute(0, 2, 1, 3).reshape(B, Qm, Hq)[q_valid]
 
 
 def apply_attention_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -81,10 +83,13 @@ def attention(
     """
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)  # [T, Hq, Dv]
     lse = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)  # [T, Hq]
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for qs, qe, ks, ke in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
-        visible = _visible(qe - qs, ke - ks, causal, sliding_window, q.device)  # [Q, K]
-        out[qs:qe], lse[qs:qe] = _attend(q[qs:qe], k[ks:ke], v[ks:ke], visible, scale)
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    seqs = [s for s in zip(zip(bq, bq[1:]), zip(bk, bk[1:])) if s[0][1] > s[0][0]]
+    decodes = [s for s in seqs if s[0][1] - s[0][0] == 1]
+    batches = ([decodes] if decodes else []) + [[s] for s in seqs if s[0][1] - s[0][0] > 1]  # no padding blow-up
+    for batch in batches:
+        rows = torch.cat([torch.arange(qs, qe, device=q.device) for (qs, qe), _ in batch])
+        out[rows], lse[rows] = _attend(q, k, v, batch, causal, sliding_window, scale)
     if sinks is not None:
         out = apply_attention_sinks(out, lse, sinks)
     out = out.to(q.dtype)

@@ -85,7 +85,8 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
     out = x.new_zeros(x.shape[0], weight.shape[1])  # [M, N]
     ends = tokens_per_expert.cumsum(0).tolist()
     for e, (start, end) in enumerate(zip([0] + ends, ends)):
-        out[start:end] = x[start:end] @ weight[e].T
+        if end > start:
+            out[start:end] = x[start:end] @ weight[e].T
     return out
 
 
