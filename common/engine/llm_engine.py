@@ -55,23 +55,32 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queue a prompt (text, tokenized as is, or token ids). ValueError when it can never run."""
+        req = self.make_request(prompt, params, request_id)
+        self.add(req)
+        return req.request_id
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Tokenize and check a prompt without touching engine state (safe from another thread)."""
         ids = self.tokenizer(prompt, add_special_tokens=False).input_ids if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model accepts at most "
                              f"{self.config.max_model_len - 1} (max_model_len {self.config.max_model_len})")
+        if not all(isinstance(t, int) and 0 <= t < self.model.args.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {self.model.args.vocab_size})")
         need = -(-min(len(ids) + params.max_tokens, self.config.max_model_len) // self.config.block_size)
         if need > min(self.runner.num_blocks.values()) - 1:
             raise ValueError(f"a request of {len(ids)} + {params.max_tokens} tokens needs {need} KV blocks; "
                              f"the cache has {min(self.runner.num_blocks.values()) - 1}")
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None)
-        self.requests[request_id] = req
+        return Request(request_id, ids, params, prompt if isinstance(prompt, str) else None)
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
         self.scheduler.add(req)
-        return request_id
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

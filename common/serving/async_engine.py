@@ -1,0 +1,105 @@
+"""The engine step loop on its own thread, beside the server's event loop.
+
+Callers on the event loop submit requests and iterate their outputs; the engine thread owns the engine: it
+takes queued adds and aborts between steps, runs `step()`, and hands each output to the request's asyncio
+queue. A caller that stops iterating (client gone) aborts its request, which frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from collections.abc import AsyncIterator
+
+from common.engine import LLMEngine, RequestOutput, SamplingParams
+
+
+class EngineOverloaded(RuntimeError):
+    """Too many requests are waiting; the server answers 503 with Retry-After."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256):
+        self.engine, self.max_waiting = engine, max_waiting
+        self._commands: collections.deque = collections.deque()  # ("add", request, loop, queue) | ("abort", id)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> "AsyncLLMEngine":
+        self._thread.start()
+        return self
+
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stop taking requests; let running ones finish for up to drain_timeout seconds, abort the rest."""
+        self._stopping = True
+        self._thread.join(timeout=drain_timeout) if drain_timeout > 0 else None
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    @property
+    def num_pending(self) -> int:
+        """Requests submitted and not finished (the bound for overload)."""
+        return len(self._streams)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as tokens arrive; the last has `finished`. ValueError for a prompt that
+        can never run, EngineOverloaded when too many are pending."""
+        if self._stopping or self.error is not None:
+            raise EngineOverloaded("the server is shutting down" if self._stopping else f"engine failed: {self.error}")
+        if self.num_pending >= self.max_waiting:
+            raise EngineOverloaded(f"{self.num_pending} requests pending, the limit is {self.max_waiting}")
+        req = self.engine.make_request(prompt, params, request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
+        self._commands.append(("add", req))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.append(("abort", request_id))
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, queue = stream
+            if getattr(item, "finished", True):
+                self._streams.pop(request_id, None)
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _run(self) -> None:
+        try:
+            while not (self._stopping and not self.engine.has_unfinished() and not self._commands):
+                while self._commands:
+                    kind, arg = self._commands.popleft()
+                    if kind == "add":
+                        self.engine.add(arg)
+                    else:
+                        self.engine.abort(arg)
+                        self._streams.pop(arg, None)
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - every waiting caller must hear about it
+            self.error = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, e)
