@@ -9,10 +9,13 @@ from .sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model, tokenizer, **engine_kwargs):
-        config, rest = EngineConfig.from_kwargs(**engine_kwargs)
-        if rest:
-            raise TypeError(f"unknown engine arguments: {sorted(rest)}")
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, **engine_kwargs):
+        if config is None:
+            config, rest = EngineConfig.from_kwargs(**engine_kwargs)
+            if rest:
+                raise TypeError(f"unknown engine arguments: {sorted(rest)}")
+        elif engine_kwargs:
+            raise TypeError("pass either an EngineConfig or engine keyword arguments, not both")
         self.engine = LLMEngine(model, tokenizer, config)
 
     def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -35,11 +35,21 @@ class AsyncLLMEngine:
     def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Stop taking requests; let running ones finish for up to drain_timeout seconds, abort the rest."""
         self._stopping = True
-        self._thread.join(timeout=drain_timeout) if drain_timeout > 0 else None
+        self._wake.set()
+        self._thread.join(timeout=drain_timeout)
         for request_id in list(self._streams):
             self.abort(request_id)
         self._wake.set()
         self._thread.join(timeout=5)
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs and has not failed."""
+        return self._thread.is_alive() and self.error is None
 
     @property
     def num_pending(self) -> int:

@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
 # DeepSeek-V4 recipe. No arguments: write the tiny random checkpoint (once) and run offline inference
-# over prompts.txt with configs/tiny-cpu.yaml. See README.md for the options.
+# over prompts.txt with configs/tiny-cpu.yaml. `--serve`: the OpenAI-compatible server instead (serve.py).
+# See README.md for the options.
 #   bash recipes/deepseek/run.sh [--weights DIR] [--config configs/X.yaml] [--prompts FILE] [--max-tokens N] ...
+#   bash recipes/deepseek/run.sh --serve [--host 127.0.0.1] [--port 8000] [--api-key K] [--weights DIR] ...
+#   bash recipes/deepseek/run.sh --serve --dp N [--port 8000] ...   (N instances on ports 8001.., router on 8000)
 set -euo pipefail
 cd "$(dirname "$0")"
+if [[ "${1:-}" == "--serve" ]]; then
+  shift
+  for arg in "$@"; do  # --dp N: N server instances behind the router (serve_dp.py)
+    [[ "$arg" == --dp || "$arg" == --dp=* ]] && exec python serve_dp.py "$@"
+  done
+  exec python serve.py "$@"
+fi
 exec python generate.py "$@"

@@ -1,0 +1,32 @@
+"""Prometheus metrics for one app, in the app's own CollectorRegistry (several apps can live in one process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+OUTCOMES = ("success", "error", "aborted", "rejected")
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("requests", "HTTP generation requests by outcome", ["outcome"], registry=self.registry)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.ttft = Histogram("time_to_first_token_seconds", "Request arrival to its first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("inter_token_latency_seconds", "Time between generated tokens of a request",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        scheduler = engine.scheduler
+        Gauge("num_requests_running", "Requests in the running batch",
+              registry=self.registry).set_function(lambda: len(scheduler.running))
+        Gauge("num_requests_waiting", "Requests queued for the running batch",
+              registry=self.registry).set_function(lambda: len(scheduler.waiting))
+        Gauge("kv_cache_usage", "Fraction of KV cache blocks held by requests",
+              registry=self.registry).set_function(engine.kv_cache.usage)
+
+    def count(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,248 @@
+"""Data-parallel router: one OpenAI-compatible endpoint in front of N server instances.
+
+    python -m common.serving.router --upstream http://127.0.0.1:8001 --upstream http://127.0.0.1:8002 \
+        [--host 127.0.0.1] [--port 8000] [--health-interval 1.0]
+
+Each `POST /v1/completions` or `/v1/chat/completions` goes, body and Authorization header as they are, to the
+live instance with the fewest outstanding requests (ties: round robin). Streaming answers (SSE) are relayed
+chunk by chunk as they arrive; other answers pass through with their status code and body (400, 401, 503 from
+an instance included). An instance that refuses the connection or times out is marked down and the request
+is tried once more on another one; a background task polls every instance's `/health` each health_interval
+seconds and marks it down (no answer, 5xx) or up (answers). A client that goes away mid-stream closes the
+upstream stream, so the instance aborts the request and frees its KV blocks.
+
+`GET /v1/models` comes from any live instance, `GET /health` is 200 while one instance is up, and
+`GET /router/stats` lists url, up, outstanding and served per instance. With no instance up, requests get 503
+with an OpenAI-style error body and Retry-After.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import math
+from dataclasses import asdict, dataclass
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+try:
+    import httpx2 as httpx  # what openai 3.x installs
+except ImportError:  # pragma: no cover
+    import httpx
+
+log = logging.getLogger("router")
+
+FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+FORWARD_RESPONSE_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control")
+UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+@dataclass(eq=False)  # identity: the same URL twice is two instances
+class Upstream:
+    url: str
+    up: bool = True
+    outstanding: int = 0
+    served: int = 0
+
+
+def error_body(message: str, type_: str = "service_unavailable", code: int | str | None = 503) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+class Router:
+    """The instances, their state, and the choice of one for the next request."""
+
+    def __init__(self, urls: list[str], health_interval: float = 1.0, health_timeout: float = 2.0,
+                 connect_timeout: float = 5.0):
+        assert urls, "at least one upstream"
+        self.upstreams = [Upstream(u.rstrip("/")) for u in urls]
+        self.health_interval, self.health_timeout = health_interval, health_timeout
+        self.retry_after = str(max(1, math.ceil(health_interval)))
+        self._rr = 0
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=connect_timeout, read=None, write=60.0, pool=connect_timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+
+    def pick(self, exclude: tuple[Upstream, ...] = ()) -> Upstream | None:
+        live = [u for u in self.upstreams if u.up and u not in exclude]
+        if not live:
+            return None
+        fewest = min(u.outstanding for u in live)
+        n = len(self.upstreams)
+        for k in range(n):
+            i = (self._rr + k) % n
+            u = self.upstreams[i]
+            if u in live and u.outstanding == fewest:
+                self._rr = (i + 1) % n
+                return u
+
+    def mark(self, u: Upstream, up: bool, why: str = "") -> None:
+        if u.up != up:
+            log.warning("upstream %s is %s%s", u.url, "up" if up else "down", f" ({why})" if why else "")
+        u.up = up
+
+    async def check(self, u: Upstream) -> None:
+        try:
+            r = await self.client.get(u.url + "/health", timeout=self.health_timeout)
+            self.mark(u, r.status_code < 500, f"/health {r.status_code}")
+        except httpx.HTTPError as e:
+            self.mark(u, False, type(e).__name__)
+
+    async def poll_health(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(u) for u in self.upstreams))
+            await asyncio.sleep(self.health_interval)
+
+    def unavailable(self) -> JSONResponse:
+        return JSONResponse(error_body("no upstream instance is available; retry later"), status_code=503,
+                            headers={"Retry-After": self.retry_after})
+
+    async def forward(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k in FORWARD_REQUEST_HEADERS}
+        headers["accept-encoding"] = "identity"  # relay raw bytes as they are
+        tried: tuple[Upstream, ...] = ()
+        for _ in range(2):  # the first choice, then one retry elsewhere
+            u = self.pick(tried)
+            if u is None:
+                break
+            tried += (u,)
+            u.outstanding += 1
+            try:
+                upstream = await self.client.send(self.client.build_request("POST", u.url + path, content=body,
+                                                                            headers=headers), stream=True)
+            except (*UNREACHABLE, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+                u.outstanding -= 1
+                self.mark(u, False, type(e).__name__)
+                continue
+            except BaseException:
+                u.outstanding -= 1
+                raise
+            return await self.relay(u, upstream)
+        return self.unavailable()
+
+    async def relay(self, u: Upstream, upstream: httpx.Response) -> Response:
+        def release():
+            u.outstanding -= 1
+            u.served += 1
+
+        headers = {k: v for k, v in upstream.headers.items() if k in FORWARD_RESPONSE_HEADERS}
+        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                content = await upstream.aread()
+            except httpx.TransportError as e:
+                self.mark(u, False, type(e).__name__)
+                return JSONResponse(error_body(f"upstream {u.url} failed: {type(e).__name__}", "upstream_error", 502),
+                                    status_code=502)
+            finally:
+                await upstream.aclose()
+                release()
+            return Response(content, status_code=upstream.status_code, headers=headers)
+        return Relay(upstream, headers, release)
+
+
+class Relay(Response):
+    """Relays an upstream SSE stream chunk by chunk; closes it when the client goes away."""
+
+    def __init__(self, upstream: httpx.Response, headers: dict, on_close):
+        self.status_code, self.background = upstream.status_code, None
+        self.init_headers(headers)  # no body, so no Content-Length: chunked transfer
+        self.upstream, self.on_close = upstream, on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._stream, send, tg.cancel_scope)
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()  # closes the connection, the instance sees the disconnect
+            self.on_close()
+
+    async def _stream(self, send, scope: anyio.CancelScope) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            try:
+                async for chunk in self.upstream.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except httpx.TransportError as e:  # the instance died mid-stream: end the client's stream too
+                log.warning("upstream stream broke: %s", type(e).__name__)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # client gone
+            pass
+        scope.cancel()
+
+
+def build_router(upstreams: list[str], health_interval: float = 1.0, **kwargs) -> FastAPI:
+    router = Router(upstreams, health_interval, **kwargs)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await asyncio.gather(*(router.check(u) for u in router.upstreams))
+        task = asyncio.create_task(router.poll_health())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await router.client.aclose()
+
+    app = FastAPI(title="npu-cookbook data-parallel router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await router.forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        tried: tuple[Upstream, ...] = ()
+        while (u := router.pick(tried)) is not None:
+            tried += (u,)
+            try:
+                r = await router.client.get(u.url + "/v1/models", headers={
+                    k: v for k, v in request.headers.items() if k == "authorization"})
+            except httpx.TransportError as e:
+                router.mark(u, False, type(e).__name__)
+                continue
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        return router.unavailable()
+
+    @app.get("/health")
+    async def health():
+        if any(u.up for u in router.upstreams):
+            return {"status": "ok", "upstreams_up": sum(u.up for u in router.upstreams)}
+        return router.unavailable()
+
+    @app.get("/router/stats")
+    async def stats():
+        return {"upstreams": [asdict(u) for u in router.upstreams]}
+
+    return app
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    p = argparse.ArgumentParser(prog="python -m common.serving.router", description=__doc__.splitlines()[0])
+    p.add_argument("--upstream", action="append", required=True, help="an instance's base URL (repeat per instance)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health polls")
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger(httpx.__name__).setLevel(logging.WARNING)  # not a line per health poll
+    uvicorn.run(build_router(a.upstream, a.health_interval), host=a.host, port=a.port, log_level=a.log_level)
+
+
+if __name__ == "__main__":
+    main()

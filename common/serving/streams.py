@@ -1,0 +1,119 @@
+"""Per-choice output bookkeeping shared by the streaming and the whole-response paths: incremental text deltas
+(split into reasoning and content), logprobs in OpenAI's two shapes, and the merge of several engine streams."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from common.engine import RequestOutput
+
+REPLACEMENT = "\ufffd"  # what a decode of an incomplete UTF-8 character ends with
+
+
+class TextStream:
+    """Cumulative text of one choice, handed out as deltas that never need taking back: while unfinished, hold
+    back a trailing incomplete character and the last len(longest stop)-1 characters (a stop string may be
+    starting there); the finished output's text is the engine's, already cut at the stop string.
+    With reasoning (the prompt opened a thinking span), the text before the `</think>` token is reasoning
+    content and the text after it is content."""
+
+    def __init__(self, tokenizer, stop: list[str], think_end_id: int | None = None):
+        self.tokenizer, self.think_end_id = tokenizer, think_end_id
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.sent_reasoning, self.sent_content = 0, 0
+        self.num_logprobs_sent = 0
+
+    def update(self, out: RequestOutput) -> tuple[str, str]:
+        """(reasoning delta, content delta) since the last update."""
+        ids = out.token_ids
+        if out.finished:
+            text = out.text
+        else:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True).rstrip(REPLACEMENT)
+            text = text[: max(0, len(text) - self.hold)]
+        if self.think_end_id is None:
+            split = 0
+        elif self.think_end_id in ids:
+            split = len(self.tokenizer.decode(ids[: ids.index(self.think_end_id)], skip_special_tokens=True))
+        else:
+            split = len(text)
+        split = min(split, len(text))
+        reasoning, content = text[self.sent_reasoning: split], text[split + self.sent_content:]
+        self.sent_reasoning += len(reasoning)
+        self.sent_content += len(content)
+        return reasoning, content
+
+    def new_logprobs(self, out: RequestOutput) -> list:
+        new = (out.logprobs or [])[self.num_logprobs_sent:]
+        self.num_logprobs_sent += len(new)
+        return new
+
+
+def completion_logprobs(tokenizer, logprobs: list, text_offset: int = 0) -> dict:
+    """OpenAI completions shape: parallel lists of tokens, their logprobs, {token: logprob} of the top ones."""
+    tokens = [tokenizer.decode([lp.token_id]) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{tokenizer.decode([i]): v for i, v in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, logprobs: list) -> dict:
+    """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    def entry(token_id: int, logprob: float) -> dict:
+        token = tokenizer.decode([token_id])
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                        for lp in logprobs]}
+
+
+async def start(async_engine, prompts: list[list[int]], params: list, request_id: str) -> list:
+    """Submit one engine request per (prompt, params) and wait for each first output, so that a rejection
+    (EngineOverloaded, ValueError) comes before any response starts; on one, the others are aborted."""
+    gens = [async_engine.generate(p, sp, f"{request_id}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+    firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+    errors = [f for f in firsts if isinstance(f, BaseException)]
+    if errors:
+        await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+        raise errors[0]
+    return list(zip(gens, firsts))
+
+
+async def merge(started: list, metrics=None, arrival: float | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from several started engine streams as they come; stopping early aborts them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen, out: RequestOutput) -> None:
+        last = time.perf_counter()
+        if metrics is not None and arrival is not None:
+            metrics.ttft.observe(last - arrival)
+        try:
+            queue.put_nowait((i, out))
+            while not out.finished:
+                prev, out = len(out.token_ids), await anext(gen)
+                now = time.perf_counter()
+                if metrics is not None and len(out.token_ids) > prev:
+                    metrics.itl.observe((now - last) / (len(out.token_ids) - prev))
+                last = now
+                queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+        finally:
+            await gen.aclose()
+
+    tasks = [asyncio.create_task(pump(i, gen, first)) for i, (gen, first) in enumerate(started)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            remaining -= item.finished
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,58 @@
+"""DeepSeek-V4 behind an OpenAI-compatible HTTP server (completions, chat completions, streaming).
+
+    bash run.sh --serve [--host 127.0.0.1] [--port 8000] [--api-key K] [--weights DIR] [--config configs/X.yaml]
+                        [--max-waiting N] [--drain-timeout S]
+
+With no --weights, the tiny random checkpoint (written once, as generate.py does) is served. SIGTERM / Ctrl-C:
+stop accepting, let running requests finish for --drain-timeout seconds, abort the rest, exit 0.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from common.engine import LLMEngine
+from common.serving import AsyncLLMEngine
+from common.serving.api_server import build_app
+from cli_deepseek import TINY, ArgumentParser, add_model_args, check_model_args, load
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(prog="run.sh --serve", description="DeepSeek-V4 OpenAI-compatible server")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder's)")
+    p.add_argument("--max-waiting", type=int, default=256, help="pending requests before answering 503")
+    p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds running requests get at shutdown")
+    a = p.parse_args(argv)
+    if not 0 <= a.port < 65536:
+        p.error(f"--port {a.port}: not a port number")
+    if a.max_waiting < 1:
+        p.error(f"--max-waiting must be >= 1, got {a.max_waiting}")
+    check_model_args(p, a)
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    model, tokenizer, config = load(a)
+    engine = LLMEngine(model, tokenizer, config)
+    path = a.weights or TINY
+    app = build_app(AsyncLLMEngine(engine, max_waiting=a.max_waiting), tokenizer,
+                    a.served_model_name or Path(path).resolve().name, api_key=a.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
+                                           timeout_graceful_shutdown=a.drain_timeout))
+    # uvicorn re-raises the signal it shut down on; a no-op handler then makes a clean exit 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

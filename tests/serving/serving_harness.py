@@ -1,0 +1,66 @@
+"""A real uvicorn on 127.0.0.1 (a thread of this process) serving an engine; helpers the serving tests share."""
+import contextlib
+import email.message
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import uvicorn
+
+from common.engine import EngineConfig, LLMEngine
+from common.serving import AsyncLLMEngine
+from common.serving.api_server import build_app
+
+MODEL = "tiny-deepseek-v4"
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model, tokenizer, api_key=API_KEY, max_waiting=256, **engine_kwargs):
+    """Yields (base_url, engine); the server and its engine thread stop on exit."""
+    engine = LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs))
+    app = build_app(AsyncLLMEngine(engine, max_waiting=max_waiting), tokenizer, MODEL, api_key=api_key)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+def wait_until(condition, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def http(method: str, url: str, body=None, headers=None, timeout=30) -> tuple[int, "email.message.Message", bytes]:
+    """Raw HTTP: body is bytes (sent as is) or JSON-able; returns (status, headers, body bytes)."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()

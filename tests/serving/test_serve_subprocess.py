@@ -1,0 +1,62 @@
+"""`bash recipes/deepseek/run.sh --serve` as a user runs it: listens, answers, and on SIGTERM drains and exits 0."""
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from openai import OpenAI
+
+from serving_harness import free_port, http
+
+RUN_SH = Path(__file__).resolve().parents[2] / "recipes" / "deepseek" / "run.sh"
+
+
+@pytest.mark.slow
+def test_serve_answers_then_sigterm_exits_0(checkpoint):
+    port = free_port()
+    proc = subprocess.Popen(["bash", str(RUN_SH), "--serve", "--port", str(port), "--weights", str(checkpoint),
+                             "--dtype", "fp32", "--api-key", "k", "--served-model-name", "tiny",
+                             "--drain-timeout", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if http("GET", url + "/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server never listened"
+            time.sleep(0.2)
+        client = OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
+        r = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+        stream = client.completions.create(model="tiny", prompt="long", max_tokens=1000, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        def read_until_cut_off():  # the server ends it after its drain timeout
+            try:
+                list(stream)
+            except openai.APIError:
+                pass
+        reader = threading.Thread(target=read_until_cut_off, daemon=True)
+        reader.start()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert f"Uvicorn running on http://127.0.0.1:{port}" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("args, needle", [(("--port", "70000"), "--port"),
+                                          (("--weights", "/no/such/dir"), "/no/such/dir"),
+                                          (("--config", "configs/atlas-a3-flash.yaml"), "needs 16 ranks")])
+def test_serve_bad_arguments_give_one_line_and_exit_2(args, needle):
+    r = subprocess.run(["bash", str(RUN_SH), "--serve", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr

@@ -1,0 +1,33 @@
+"""TextStream: deltas that concatenate to the engine's text, hold-backs, and the reasoning split at `</think>`."""
+from common.engine import RequestOutput
+from common.serving.streams import TextStream
+
+
+def output(ids, tokenizer, finished=False, text=None):
+    text = tokenizer.decode(ids, skip_special_tokens=True) if text is None else text
+    return RequestOutput("r", None, [1], text if finished else "", ids, finished, "stop" if finished else None)
+
+
+def test_reasoning_then_content_split_at_the_end_think_token(model_and_tokenizer):
+    tokenizer = model_and_tokenizer[1]
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    thought, answer = tokenizer("let me see", add_special_tokens=False).input_ids, \
+        tokenizer(" it is 4", add_special_tokens=False).input_ids
+    ids = thought + [end] + answer
+    stream = TextStream(tokenizer, [], end)
+    deltas = [stream.update(output(ids[:k], tokenizer)) for k in range(1, len(ids))]
+    deltas.append(stream.update(output(ids, tokenizer, finished=True)))
+    assert "".join(r for r, _ in deltas) == "let me see" and "".join(c for _, c in deltas) == " it is 4"
+
+
+def test_stop_hold_back_and_incomplete_characters(model_and_tokenizer):
+    tokenizer = model_and_tokenizer[1]
+    ids = tokenizer("héllo wörld", add_special_tokens=False).input_ids
+    stream = TextStream(tokenizer, ["wörld"])
+    sent = ""
+    for k in range(1, len(ids)):
+        _, delta = stream.update(output(ids[:k], tokenizer))
+        sent += delta
+        assert "\ufffd" not in sent and "wörld" not in sent
+    sent += stream.update(output(ids, tokenizer, finished=True, text="héllo "))[1]
+    assert sent == "héllo "
