@@ -1,5 +1,7 @@
 """`bash recipes/deepseek/run.sh --serve` as a user runs it: listens, answers, and on SIGTERM drains and exits 0."""
+import json
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -60,3 +62,43 @@ def test_serve_answers_then_sigterm_exits_0(checkpoint):
 def test_serve_bad_arguments_give_one_line_and_exit_2(args, needle):
     r = subprocess.run(["bash", str(RUN_SH), "--serve", *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr
+
+
+@pytest.mark.slow
+def test_serve_dp_starts_instances_behind_the_router(checkpoint):
+    """`run.sh --serve --dp 2`: two instances plus the router on one port; requests spread; SIGTERM stops all."""
+    port = free_port()
+    while any(_busy(port + i) for i in (1, 2)):  # the instances take the next two ports
+        port = free_port()
+    proc = subprocess.Popen(["bash", str(RUN_SH), "--serve", "--dp", "2", "--port", str(port), "--weights",
+                             str(checkpoint), "--dtype", "fp32", "--served-model-name", "tiny"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if http("GET", url + "/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the router never listened"
+            time.sleep(0.3)
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        texts = [client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0).choices[0].text
+                 for _ in range(4)]
+        assert len(set(texts)) == 1  # same greedy answer from either instance
+        stats = json.loads(http("GET", url + "/router/stats", timeout=5)[2])
+        assert [u["served"] for u in stats["upstreams"]] == [2, 2]  # least outstanding, ties round robin
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+
+
+def _busy(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
