@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import sys
 import threading
 from collections.abc import AsyncIterator
 
@@ -30,9 +29,6 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
 
     def start(self) -> "AsyncLLMEngine":
-        # The engine thread holds the GIL between torch ops; hand it over often so the event loop keeps
-        # streaming and admitting requests (Python's default 5 ms slice starves it under load).
-        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self._thread.start()
         return self
 
