@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +14,8 @@ from .request import Request
 from .sampler import Sampler, TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,6 +48,11 @@ class LLMEngine:
         model_len = model.args.max_position_embeddings
         self.config.max_model_len = min(self.config.max_model_len or model_len, model_len)
         self.runner = ModelRunner(model, self.config)
+        capacity = (min(self.runner.num_blocks.values()) - 1) * self.config.block_size
+        if capacity < self.config.max_model_len:  # one request must always fit in the whole cache
+            logger.warning("the KV cache holds %d tokens: max_model_len lowered from %d", capacity,
+                           self.config.max_model_len)
+            self.config.max_model_len = capacity
         self.kv_cache = KVCacheManager(self.runner.specs, self.runner.num_blocks, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache)
         self.sampler = Sampler()
@@ -69,10 +77,6 @@ class LLMEngine:
                              f"{self.config.max_model_len - 1} (max_model_len {self.config.max_model_len})")
         if not all(isinstance(t, int) and 0 <= t < self.model.args.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be ints in [0, {self.model.args.vocab_size})")
-        need = -(-min(len(ids) + params.max_tokens, self.config.max_model_len) // self.config.block_size)
-        if need > min(self.runner.num_blocks.values()) - 1:
-            raise ValueError(f"a request of {len(ids)} + {params.max_tokens} tokens needs {need} KV blocks; "
-                             f"the cache has {min(self.runner.num_blocks.values()) - 1}")
         request_id = request_id if request_id is not None else str(next(self._ids))
         return Request(request_id, ids, params, prompt if isinstance(prompt, str) else None)
 
