@@ -1,0 +1,1 @@
+"""Shared parts of the diffusion recipes: sequence parallel attention, step caches, VAE tiling."""
