@@ -16,6 +16,19 @@ from serving_harness import free_port, http
 RUN_SH = Path(__file__).resolve().parents[2] / "recipes" / "deepseek" / "run.sh"
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            if http("GET", url + "/health", timeout=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{url} never answered /health"
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_serve_answers_then_sigterm_exits_0(checkpoint):
     port = free_port()
@@ -24,16 +37,7 @@ def test_serve_answers_then_sigterm_exits_0(checkpoint):
                              "--drain-timeout", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if http("GET", url + "/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server never listened"
-            time.sleep(0.2)
+        wait_healthy(proc, url, 120)
         client = OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
         r = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 3
@@ -75,16 +79,7 @@ def test_serve_dp_starts_instances_behind_the_router(checkpoint):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if http("GET", url + "/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the router never listened"
-            time.sleep(0.3)
+        wait_healthy(proc, url, 180)
         client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         texts = [client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0).choices[0].text
                  for _ in range(4)]
