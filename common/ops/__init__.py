@@ -16,6 +16,7 @@ from .reference import (  # the reference backend; use_backend() rebinds these n
     apply_attention_sinks,
     attention,
     grouped_matmul,
+    hstu_attention,
     lightning_indexer,
     merge_attention_states,
     moe_finalize_routing,

@@ -129,6 +129,11 @@ sparse_attention = reference.sparse_attention
 # indices (per sequence or global) nor a tie-break: the deterministic reference (lower index wins) runs instead.
 lightning_indexer = reference.lightning_indexer
 
+# HSTU attention (SiLU(alpha q k^T) / max_seq_len, no softmax, candidate mask over jagged sequences): torch_npu
+# 2.14.0 has no such op (its npu_native_functions_by_codegen.yaml names no hstu / jagged op) and
+# npu_fused_infer_attention_score always applies a softmax, so the reference (plain torch ops) runs on NPU too.
+hstu_attention = reference.hstu_attention
+
 _NORM_TYPE = {"softmax": 0, "sigmoid": 1}  # npu_moe_gating_top_k norm_type
 
 

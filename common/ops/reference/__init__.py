@@ -7,6 +7,7 @@ from .attention import (
     reshape_and_cache,
     sparse_attention,
 )
+from .hstu import hstu_attention
 from .indexer import lightning_indexer
 from .moe import grouped_matmul, moe_finalize_routing, moe_gating_topk, moe_init_routing, swiglu
 from .norm import add_rms_norm, rms_norm
@@ -28,4 +29,5 @@ __all__ = [
     "moe_finalize_routing",
     "grouped_matmul",
     "swiglu",
+    "hstu_attention",
 ]
