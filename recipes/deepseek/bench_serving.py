@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, help="one prompt per line instead of random token ids")
     p.add_argument("--chat", action="store_true", help="with --prompts: the chat completions endpoint")
     p.add_argument("--weights", type=Path, default=BENCH, help="checkpoint for --launch / --offline-baseline")
-    p.add_argument("--config", type=Path, default=HERE / "configs" / "tiny-cpu.yaml", help="deployment preset")
+    p.add_argument("--config", type=Path, default=HERE / "configs" / "bench-cpu.yaml", help="deployment preset")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--launch", action="store_true", help="start the server (run.sh --serve) for the run")
     p.add_argument("--launch-timeout", type=float, default=600.0)
