@@ -8,9 +8,11 @@ candidates are attended to, never stored. Exact only with causal contextual toke
 then a token's K / V depend on earlier tokens only, so they do not change as the history grows.
 
 Host tier (host_chunk_size > 0): an evicted user's complete chunks of host_chunk_size tokens (the cold part of its
-history) are copied to host tensors first; when the user comes back they are onloaded into fresh pages before the
-batch runs, and only the tail after the last complete chunk is recomputed. The host tier is unbounded here and the
-copies are synchronous (upstream overlaps the onload with the previous layer's compute).
+history) are copied to host tensors first; when the user comes back, `begin` reserves fresh pages and each layer's
+chunks are onloaded into them just before that layer runs (BatchKV, layer by layer, as upstream), and only the tail
+after the last complete chunk is recomputed. So every layer of a batch must run once through its BatchKV (the model
+does). The host tier is unbounded here and the copies are synchronous (upstream overlaps the onload of layer l + 1
+with the compute of layer l on a second stream).
 """
 from __future__ import annotations
 
@@ -79,6 +81,7 @@ class HistoryKVCache:
             self.pages.setdefault(user, [])
             self.lengths.setdefault(user, 0)
             self.pages.move_to_end(user)
+        onloads = []  # (pool rows, host K, host V): copied layer by layer by BatchKV
         for user, n, old, from_host in zip(users, new_history, cached, onload):
             need = -(-(old + n) // self.page_size) - len(self.pages[user])
             while need > self.pool.num_free_blocks:
@@ -88,22 +91,21 @@ class HistoryKVCache:
                 self.evict(victim)
             self.pages[user] += self.pool.allocate(max(need, 0))
             self.lengths[user] = old + n
-            if from_host:  # copy the cold chunks back into the fresh pages
-                rows = self._slots(self.pages[user], torch.arange(old))
-                for pool, host in zip((self.k, self.v), self.host[user]):
-                    pool.flatten(1, 2)[:, rows] = host.to(pool.device)
+            if from_host:  # the cold chunks go back into the fresh pages, one layer at a time
+                onloads.append((self._slots(self.pages[user], torch.arange(old)), *self.host[user]))
                 self.stats.onloaded_tokens += old
         self.stats.reused_tokens += sum(c for c, h in zip(cached, onload) if not h)
         self.stats.computed_tokens += sum(new_history)
-        return BatchKV(self, [self.pages[u] for u in users], cached, new_history, lengths)
+        return BatchKV(self, [self.pages[u] for u in users], cached, new_history, lengths, onloads)
 
 
 class BatchKV:
-    """One batch's view of the cache: kv(layer, k_new, v_new) appends the new history rows of every user to its
-    pages and returns (k, v, cu_seqlens_k): per user its cached prefix then its new tokens, packed."""
+    """One batch's view of the cache: kv(layer, k_new, v_new) onloads this layer's host chunks of returning users,
+    appends the new history rows of every user to its pages and returns (k, v, cu_seqlens_k): per user its cached
+    prefix then its new tokens, packed."""
 
-    def __init__(self, cache: HistoryKVCache, pages, cached, new_history, lengths):
-        self.cache = cache
+    def __init__(self, cache: HistoryKVCache, pages, cached, new_history, lengths, onloads=()):
+        self.cache, self.onloads = cache, list(onloads)
         dev = cache.k.device
         slot = lambda b, positions: cache._slots(pages[b], positions)  # noqa: E731
         cu_q = [0, *torch.tensor(lengths).cumsum(0).tolist()]
@@ -120,8 +122,10 @@ class BatchKV:
 
     def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         out = []
-        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
+        for pool, new, side in ((self.cache.k[layer], k, 1), (self.cache.v[layer], v, 2)):
             flat = pool.view(-1, *pool.shape[2:])  # [pages * page_size, H, D]
+            for onload in self.onloads:  # this layer's cold chunks, just before the layer reads them
+                flat[onload[0]] = onload[side][layer].to(flat.device)
             flat[self.write_dst] = new[self.write_src].to(flat.dtype)
             packed = new.new_empty(self.total_k, *new.shape[1:])
             packed[self.prefix_dst] = flat[self.prefix_src].to(new.dtype)

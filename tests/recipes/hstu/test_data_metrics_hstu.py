@@ -1,8 +1,9 @@
-"""Synthetic KuaiRand-shaped files, the reader, and AUC against a brute-force pair count."""
+"""Synthetic KuaiRand-shaped files, the reader, and AUC against a brute-force pair count and scikit-learn."""
 import itertools
 
 import pytest
 import torch
+from sklearn.metrics import roc_auc_score
 
 from data_hstu import CONTEXTUAL, LOG_FILE, TASKS, USERS_FILE, read_dataset, write_synthetic
 from metrics_hstu import auc
@@ -45,6 +46,19 @@ def test_auc_equals_the_pair_count_with_ties(seed):
     scores = torch.randint(0, 6, (40,), generator=g).float()  # many ties
     labels = torch.rand(40, generator=g) < 0.4
     assert auc(scores, labels) == pytest.approx(brute_auc(scores.tolist(), labels.tolist()), abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_auc_equals_scikit_learn_with_ties(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    n = [7, 50, 333, 2000][seed % 4]
+    levels = [3, 20, 1000, 10**6][seed // 2 % 4]  # from almost all ties to almost none
+    scores = torch.randint(0, levels, (n,), generator=g).double() / levels - 0.5
+    labels = torch.rand(n, generator=g) < [0.05, 0.3, 0.5, 0.9][seed % 4]
+    labels[0], labels[1] = True, False  # both classes present
+    assert auc(scores, labels) == pytest.approx(roc_auc_score(labels.numpy(), scores.numpy()), abs=1e-12)
+    if n <= 50:  # and the pair count, where it is cheap
+        assert auc(scores, labels) == pytest.approx(brute_auc(scores.tolist(), labels.tolist()), abs=1e-12)
 
 
 def test_auc_edge_cases():

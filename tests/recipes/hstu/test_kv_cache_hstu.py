@@ -76,3 +76,22 @@ def test_offload_keeps_complete_chunks_and_onload_restores_them():
     k, v, cu = cache.begin([1], [1], [2])(1, k2, v2)  # evicts user 2 (1 token: nothing offloaded), onloads user 1
     assert cache.stats.onloaded_tokens == 4 and 2 not in cache.host and cu.tolist() == [0, 6]
     assert torch.equal(k, torch.cat([k1[:4], k2])) and torch.equal(v, torch.cat([v1[:4], v2]))
+
+
+def test_onload_is_layer_by_layer_just_before_the_layer_runs():
+    cache = HistoryKVCache(num_layers=2, num_pages=4, page_size=2, num_heads=1, k_dim=3, v_dim=2, host_chunk_size=4)
+    k1, v1 = torch.randn(2, 5, 1, 3), torch.randn(2, 5, 1, 2)  # [layer, 5 history tokens, H, D]
+    view = cache.begin([1], [5], [5])
+    for layer in range(2):
+        view(layer, k1[layer], v1[layer])
+    cache.evict(1)  # 4 tokens (one chunk) of both layers to the host
+    cache.k.zero_(), cache.v.zero_()
+    view = cache.begin([1], [1], [2])  # token 4 recomputed + 1 candidate
+    assert not cache.k.any() and not cache.v.any()  # nothing onloaded before the first layer runs
+    k2, v2 = torch.randn(2, 2, 1, 3), torch.randn(2, 2, 1, 2)
+    k, v, cu = view(0, k2[0], v2[0])
+    assert not cache.k[1].any() and not cache.v[1].any()  # layer 1 still on the host only
+    assert torch.equal(k, torch.cat([k1[0, :4], k2[0]])) and torch.equal(v, torch.cat([v1[0, :4], v2[0]]))
+    k, v, cu = view(1, k2[1], v2[1])
+    assert torch.equal(k, torch.cat([k1[1, :4], k2[1]])) and torch.equal(v, torch.cat([v1[1, :4], v2[1]]))
+    assert cu.tolist() == [0, 6] and cache.stats.onloaded_tokens == 4
