@@ -1,5 +1,7 @@
 """`bash recipes/deepseek/run.sh --serve` as a user runs it: listens, answers, and on SIGTERM drains and exits 0."""
+import contextlib
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -71,9 +73,7 @@ def test_serve_bad_arguments_give_one_line_and_exit_2(args, needle):
 @pytest.mark.slow
 def test_serve_dp_starts_instances_behind_the_router(checkpoint):
     """`run.sh --serve --dp 2`: two instances plus the router on one port; requests spread; SIGTERM stops all."""
-    port = free_port()
-    while any(_busy(port + i) for i in (1, 2)):  # the instances take the next two ports
-        port = free_port()
+    port = _free_port_run(3)  # router on port, instances on port + 1, port + 2
     proc = subprocess.Popen(["bash", str(RUN_SH), "--serve", "--dp", "2", "--port", str(port), "--weights",
                              str(checkpoint), "--dtype", "fp32", "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -94,6 +94,16 @@ def test_serve_dp_starts_instances_behind_the_router(checkpoint):
     assert proc.returncode == 0
 
 
-def _busy(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+def _free_port_run(n: int) -> int:
+    """A base port with n consecutive bindable ports, below the kernel's ephemeral range (no client sockets)."""
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(20000, 30000)
+        try:
+            with contextlib.ExitStack() as stack:
+                for i in range(n):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free run of ports")
