@@ -5,9 +5,11 @@ Everything device-specific that is not a fused op (dist backend name, sync, memo
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import os
+import sys
 
 import torch
 
@@ -95,3 +97,21 @@ def memory_info() -> tuple[int, int]:
     pages, avail = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_AVPHYS_PAGES")
     size = os.sysconf("SC_PAGE_SIZE")
     return avail * size, pages * size
+
+
+@functools.cache
+def keep_freed_host_memory() -> bool:
+    """glibc on Linux: keep freed memory in the heap instead of handing it back to the OS after every big tensor.
+
+    CPU inference allocates and frees tensors of tens of MB every op; by default glibc returns them (munmap /
+    trim) and the next op page-faults them in again, which measured 45% of a prefill step here. Returns whether
+    the setting took. Called once by the engine on the CPU path."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+    return all(libc.mallopt(opt, value) == 1 for opt, value in
+               ((M_MMAP_THRESHOLD, 32 * 2**20), (M_TRIM_THRESHOLD, 2**31 - 1), (M_TOP_PAD, 256 * 2**20)))

@@ -18,6 +18,8 @@ class ModelRunner:
     def __init__(self, model, config: EngineConfig):
         self.model, self.config = model, config
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            backend.keep_freed_host_memory()
         self.specs = model.cache_specs(config.block_size)
         num_blocks = config.num_blocks or self._blocks_that_fit()
         self.num_blocks = {s.name: num_blocks for s in self.specs}

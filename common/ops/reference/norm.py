@@ -7,7 +7,8 @@ import torch
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight, in fp32, cast back to x.dtype; weight None = unweighted."""
     x32 = x.float()  # [..., H]
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    mean_sq = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square() / x.shape[-1]  # no [..., H] temporary
+    y = x32 * torch.rsqrt(mean_sq + eps)
     if weight is not None:
         y = y * weight.float()
     return y.to(x.dtype)
