@@ -160,6 +160,13 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
         finally:
             metrics.count(outcome)
 
+    def stream_response(started, arrival, make_chunk, head, prompts, include_usage: bool) -> StreamingResponse:
+        """SSE of the chunks make_chunk builds, then the usage chunk (include_usage) and [DONE]."""
+        def usage_chunk(finals):
+            return {**head, "choices": [], "usage": usage(prompts, finals)}
+        return StreamingResponse(event_stream(started, arrival, make_chunk, usage_chunk if include_usage else None),
+                                 media_type="text/event-stream")
+
     async def collect(started, arrival) -> dict:
         finals = {}
         async for i, out in merge(started, metrics, arrival):
@@ -188,12 +195,7 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
                 if not text and not out.finished and body.logprobs is None:
                     return None
                 return {**head, "choices": [choice(i, out, text)]}
-
-            def usage_chunk(finals):
-                return {**head, "choices": [], "usage": usage(prompts, finals)}
-            return StreamingResponse(event_stream(started, arrival, make_chunk,
-                                                  usage_chunk if body.include_usage else None),
-                                     media_type="text/event-stream")
+            return stream_response(started, arrival, make_chunk, head, prompts, body.include_usage)
         finals = await collect(started, arrival)
         metrics.count("success")
         choices = [choice(i, finals[i], streams[i].update(finals[i])[1]) for i in range(len(started))]
@@ -237,12 +239,7 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
                     return None
                 return {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs(i, out),
                                              "finish_reason": out.finish_reason if out.finished else None}]}
-
-            def usage_chunk(finals):
-                return {**head, "choices": [], "usage": usage(prompts, finals)}
-            return StreamingResponse(event_stream(started, arrival, make_chunk,
-                                                  usage_chunk if body.include_usage else None),
-                                     media_type="text/event-stream")
+            return stream_response(started, arrival, make_chunk, head, prompts, body.include_usage)
         finals = await collect(started, arrival)
         metrics.count("success")
         choices = []
