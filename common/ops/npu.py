@@ -14,7 +14,7 @@ import torch
 from common import backend
 
 from . import reference
-from .reference import apply_attention_sinks, merge_attention_states  # elementwise LSE math: no fused op needed
+from .reference import apply_attention_sinks, merge_attention_states  # noqa: F401 - re-exported: elementwise LSE math, no fused op needed
 
 torch_npu = backend.torch_npu()
 INT_MAX = 2147483647

@@ -8,7 +8,6 @@ n = hc_mult residual streams, H = attention heads, Dh = head_dim, C = compressed
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +49,15 @@ class Rope(nn.Module):
         self.dim = dim
         self.scale = float(yarn.get("attention_factor", 1.0)) if yarn else 1.0
         self.register_buffer("inv_freq", rope_inv_freq(dim, theta, yarn), persistent=False)
+        self._last = None  # (positions, (cos, sin)) of the last call
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._last is not None and self._last[0] is positions:  # every layer asks for the step's positions
+            return self._last[1]
         freqs = positions.float()[:, None] * self.inv_freq  # [T, dim/2]
         freqs = freqs.repeat_interleave(2, dim=-1)  # [T, dim] interleaved pairs
-        return freqs.cos() * self.scale, freqs.sin() * self.scale
+        self._last = positions, (freqs.cos() * self.scale, freqs.sin() * self.scale)
+        return self._last[1]
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, Dh] -> x with its last `dim` channels rotated."""
