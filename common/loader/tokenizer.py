@@ -11,12 +11,14 @@ CORPUS = Path(__file__).with_name("corpus.txt")
 
 
 def write_tokenizer(path, vocab_size: int, special_tokens: dict[str, str], chat_template: str, bos: str = "bos",
-                    eos: str = "eos", pad: str = "pad", add_bos: bool = True, model_max_length: int = 4096) -> Path:
+                    eos: str = "eos", pad: str = "pad", add_bos: bool = True, add_eos: bool = False,
+                    model_max_length: int = 4096) -> Path:
     """Save tokenizer.json + tokenizer_config.json that transformers.AutoTokenizer loads.
 
     special_tokens: role -> token string, e.g. {"bos": "<|begin|>", "eos": "<|end|>", "user": "<|User|>"}; each
     becomes one id (the first ids, in this order). bos / eos / pad name roles in it (pad falls back to eos).
-    add_bos: plain encode() prepends the bos token (a chat template writes its own). Total vocab <= vocab_size.
+    add_bos: plain encode() prepends the bos token (a chat template writes its own); add_eos: appends the eos token
+    (CLIP-style text encoders pool at it). Total vocab <= vocab_size.
     """
     specials = list(special_tokens.values())
     if vocab_size < 256 + len(specials):
@@ -28,10 +30,13 @@ def write_tokenizer(path, vocab_size: int, special_tokens: dict[str, str], chat_
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(CORPUS.read_text().split("\n\n"), trainer)
     bos_token, eos_token = special_tokens.get(bos), special_tokens.get(eos)
-    if add_bos and bos_token:
-        bos_id = tokenizer.token_to_id(bos_token)
+    add_bos, add_eos = bool(add_bos and bos_token), bool(add_eos and eos_token)
+    if add_bos or add_eos:
+        head, tail = (f"{bos_token} " if add_bos else ""), (f" {eos_token}" if add_eos else "")
+        used = [t for t, on in ((bos_token, add_bos), (eos_token, add_eos)) if on]
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B", special_tokens=[(bos_token, bos_id)])
+            single=f"{head}$A{tail}", pair=f"{head}$A{tail} {head}$B{tail}",
+            special_tokens=[(t, tokenizer.token_to_id(t)) for t in used])
     else:
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     path = Path(path)
@@ -42,8 +47,8 @@ def write_tokenizer(path, vocab_size: int, special_tokens: dict[str, str], chat_
         "bos_token": bos_token,
         "eos_token": eos_token,
         "pad_token": special_tokens.get(pad, eos_token),
-        "add_bos_token": bool(add_bos and bos_token),
-        "add_eos_token": False,
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
         "chat_template": chat_template,
         "model_max_length": model_max_length,

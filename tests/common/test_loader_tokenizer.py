@@ -62,3 +62,14 @@ def test_writes_are_byte_identical_across_processes(tokenizer_dir, tmp_path):
 def test_rejects_a_vocab_too_small_for_the_bytes(tmp_path):
     with pytest.raises(ValueError, match="256 byte tokens"):
         write_tokenizer(tmp_path, 258, SPECIAL, TEMPLATE)
+
+
+def test_add_eos_appends_the_eos_token_clip_style(tmp_path):
+    tok = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path, VOCAB, SPECIAL, "", add_bos=True, add_eos=True))
+    ids = tok("a red fox", padding="max_length", max_length=12).input_ids
+    n = len(tok.encode("a red fox", add_special_tokens=False))
+    assert ids[0] == tok.bos_token_id and ids[n + 1] == tok.eos_token_id  # bos, text, eos, then pad (= eos)
+    assert ids[n + 2:] == [tok.pad_token_id] * (10 - n)
+    eos_only = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "e", VOCAB, SPECIAL, "", add_bos=False,
+                                                             add_eos=True))
+    assert eos_only.encode("fox") == eos_only.encode("fox", add_special_tokens=False) + [eos_only.eos_token_id]
