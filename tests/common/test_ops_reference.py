@@ -263,6 +263,16 @@ def test_lightning_indexer():
     assert torch.equal(got, naive_indexer(q, k, w, q_lens, kv_lens, visible, topk=3))
 
 
+@pytest.mark.parametrize("q_lens, kv_lens", [([1, 1, 1], [5, 9, 2]), ([4, 0, 2], [7, 3, 5])])
+def test_lightning_indexer_decode_batches_and_empty_sequences(q_lens, kv_lens):
+    """All-decode batches (one query per sequence: the batched path) and a sequence without queries (per-sequence path)."""
+    T = sum(q_lens)
+    q, k, w = torch.randn(T, 3, 8), torch.randn(sum(kv_lens), 8), torch.rand(T, 3)
+    visible = torch.tensor([min(kv_lens[b], 1 + t) for b, n in enumerate(q_lens) for t in range(n)])
+    got = ref.lightning_indexer(q, k, w, cu(q_lens), cu(kv_lens), visible, topk=4)
+    assert torch.equal(got, naive_indexer(q, k, w, q_lens, kv_lens, visible, topk=4))
+
+
 def test_lightning_indexer_ties_are_deterministic():
     """relu zeroes most scores: ties go to the lower index, and a row alone equals the row in its batch."""
     q_lens, kv_lens = [2, 3], [40, 33]

@@ -21,14 +21,27 @@ def lightning_indexer(
     Scores in fp32; ties go to the lower index (stable sort), so a row's result does not depend on its batch.
     Returns [T, topk] int32.
     """
-    scores = torch.einsum("thd,nd->thn", q.float(), k.float()).relu()  # [T, H, N]
-    scores = torch.einsum("thn,th->tn", scores, weights.float())  # [T, N]
-    token = torch.arange(q.shape[0], device=q.device)
+    T, B = q.shape[0], cu_seqlens_q.numel() - 1
+    if T > B:  # prefill chunks in the batch: score each sequence's queries against its own keys only
+        out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
+        bounds = zip(cu_seqlens_q.tolist(), cu_seqlens_q[1:].tolist(), cu_seqlens_k.tolist(), cu_seqlens_k[1:].tolist())
+        for qs, qe, ks, ke in bounds:
+            if qe > qs and ke > ks:
+                rows = _topk_rows(q[qs:qe], k[ks:ke], weights[qs:qe], 0, visible[qs:qe], topk)  # local rows
+                out[qs:qe] = torch.where(rows >= 0, rows + ks, -1)
+        return out
+    token = torch.arange(T, device=q.device)
     seq = torch.searchsorted(cu_seqlens_q[1:].long(), token, right=True)  # [T] sequence of each query
-    start = cu_seqlens_k.long()[seq][:, None]  # [T, 1]
-    row = torch.arange(k.shape[0], device=k.device)[None, :]  # [1, N]
-    allowed = (row >= start) & (row < start + visible.long()[:, None])  # [T, N]
+    return _topk_rows(q, k, weights, cu_seqlens_k.long()[seq][:, None], visible, topk)
+
+
+def _topk_rows(q, k, weights, start, visible, topk: int) -> torch.Tensor:
+    """Top-k global rows of k for each query row, among rows [start, start + visible); -1 fills. [t, topk] int32."""
+    scores = torch.einsum("thd,nd->thn", q.float(), k.float()).relu()  # [t, H, n]
+    scores = torch.einsum("thn,th->tn", scores, weights.float())  # [t, n]
+    row = torch.arange(k.shape[0], device=k.device)[None, :]  # [1, n]
+    allowed = (row >= start) & (row < start + visible.long()[:, None])  # [t, n]
     scores = scores.masked_fill(~allowed, float("-inf"))
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]  # [T, min(topk, N)]
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]  # [t, min(topk, n)]
     picked = torch.where(allowed.gather(1, order), order, -1)
-    return F.pad(picked, (0, topk - picked.shape[1]), value=-1).int()  # [T, topk]
+    return F.pad(picked, (0, topk - picked.shape[1]), value=-1).int()  # [t, topk]
