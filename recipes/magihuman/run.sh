@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# daVinci-MagiHuman recipe: text(+image) to video with audio. No arguments: write the tiny random model set
+# (weights/magihuman-tiny/) once, generate 0.4 s at 64x64 with the distilled mode, write an MP4 (25 fps, AAC audio)
+# to outputs/magihuman/ and print its path and the stage timings. See README.md.
+#   bash recipes/magihuman/run.sh [--weights DIR] [--mode base|distill|sr540|sr1080] [--prompt TEXT] [--image FILE]
+#                                 [--seconds S] [--size WxH] [--sr-size WxH] [--seed N] [--offload] [--out FILE]
+set -euo pipefail
+cd "$(dirname "$0")"
+exec python generate_magihuman.py "$@"
