@@ -1,19 +1,33 @@
-"""Spatially tiled VAE decode: decode overlapping latent tiles one at a time, blend the overlaps, crop.
+"""Tiled VAE decode, two ways.
 
-Peak memory follows the tile, not the frame. Tiles cover the latent's last two dims (h, w) with stride
-tile - overlap; each decoded tile is blended linearly into the tiles above and to its left over overlap * scale
-output pixels (the same scheme as diffusers' tiled_decode), then cropped to the stride. Time is not tiled.
+exact_tiled_decode: the decode of the whole frame, computed patch by patch on one device and equal to it within
+fp32 rounding. It is the patch executor of vae_parallel.py (halo'd convs, whole-frame GroupNorm statistics, the
+global modules run once on the gathered frame) with the patches held locally: one thread per patch, and a turn
+token so that only one patch computes at a time (the others wait at the next exchange). GroupNorm statistics are
+combined over the local patches (count, mean, M2 per patch, Chan's formula in fp64), exactly as the ranks combine
+them in patch-parallel decode.
 
-Tiled != untiled in general: a decoder's GroupNorm statistics and mid-block attention span the whole frame, and
-its convolutions see zero padding at tile edges. The blend hides the seams; the error is measured in
-tests/diffusion/test_vae_tiling.py. A decoder whose output pixel depends only on nearby latents (within the
-overlap) gives the untiled result exactly in the interior of the blends, and exactly everywhere when pointwise.
+Memory: every patch's activations stay alive until the next exchange, so the live activations add up to the
+whole frame's, as untiled. What the patches bound is each op's transient working set: the padded copy of a
+conv's input, the conv's workspace (im2col / the NPU conv's scratch) and output being written, GroupNorm's fp32
+temporaries, all sized by one patch instead of the frame. That is the peak at the full-resolution convs (a
+3x3x3 conv's im2col is 27x its input).
+
+tiled_decode: the diffusers-style scheme for a decoder seen as a black box: overlapping latent tiles decoded
+independently, blended linearly, cropped. Peak memory follows the tile, but it is not exact: each tile's
+GroupNorm statistics and attention see only the tile, and its convs see padding at tile edges; the blend hides
+the seams (error measured in tests/diffusion/test_vae_tiling.py). Use it only for decoders whose modules
+exact_tiled_decode cannot patch.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
+from torch import nn
+
+from .vae_parallel import PatchComm, PatchGrid, patch_ops, run_patch
 
 
 def _ramp(n: int, like: torch.Tensor) -> torch.Tensor:
@@ -60,3 +74,90 @@ def tiled_decode(decode: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor
             pieces.append(piece[..., :keep_h, :keep_w])
         out_rows.append(torch.cat(pieces, dim=-1))
     return torch.cat(out_rows, dim=-2)[..., :h * scale, :w * scale]
+
+
+class _LocalHub:
+    """What the patch threads share: a barrier, a mailbox and the turn token (who may compute now)."""
+
+    def __init__(self, n: int):
+        self.barrier = threading.Barrier(n)
+        self.turn = threading.Lock()
+        self.lock = threading.Lock()
+        self.mailbox: dict[tuple, object] = {}
+
+    def wait(self) -> None:
+        """Give up the turn, wait for every patch, take a turn again."""
+        self.turn.release()
+        try:
+            self.barrier.wait()
+        finally:
+            self.turn.acquire()
+
+
+class LocalPatchComm(PatchComm):
+    """Patch `index` of a grid whose patches are threads of this process (see exact_tiled_decode)."""
+
+    def __init__(self, hub: _LocalHub, grid: PatchGrid, index: int):
+        self.hub, self.grid, self.index, self.seq = hub, grid, index, 0
+
+    def _round(self, posts: dict, reads: list) -> dict:
+        """Post, wait for all, read, wait for all (so nothing is read after it is dropped), drop own posts."""
+        key = self.seq
+        self.seq += 1
+        with self.hub.lock:
+            self.hub.mailbox.update({(key, *k): v for k, v in posts.items()})
+        self.hub.wait()
+        with self.hub.lock:
+            got = {k: self.hub.mailbox[(key, *k)] for k in reads}
+        self.hub.wait()
+        with self.hub.lock:
+            for k in posts:
+                del self.hub.mailbox[(key, *k)]
+        return got
+
+    def exchange(self, sends, recvs):
+        got = self._round({(self.index, j): t for j, t in sends.items()}, [(j, self.index) for j in recvs])
+        return {j: got[(j, self.index)] for j in recvs}
+
+    def all_gather(self, x, shapes):
+        got = self._round({(self.index,): x}, [(j,) for j in range(self.grid.size)])
+        return [got[(j,)] for j in range(self.grid.size)]
+
+    def gather_apply(self, x, fn):
+        parts = self.all_gather(x, [])
+        out = fn(self.grid.assemble(parts)) if self.index == 0 else None  # once for all patches
+        return self.all_gather(out, [])[0]
+
+
+def exact_tiled_decode(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor,
+                       global_modules: tuple[type, ...], tile: int = 32) -> torch.Tensor:
+    """fn(z), computed in spatial patches of at most tile x tile latents with the same result. z [.., h, w];
+    model: the module tree fn runs (its padded convs, GroupNorms and global_modules are swapped, see
+    vae_parallel.patch_ops)."""
+    grid = PatchGrid.for_tile(z.shape[-2], z.shape[-1], tile)
+    if grid.size == 1:
+        with torch.no_grad():
+            return fn(z)
+    hub, patches = _LocalHub(grid.size), grid.split(z)
+    outputs: list[torch.Tensor | None] = [None] * grid.size
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        hub.turn.acquire()
+        try:
+            outputs[i] = run_patch(fn, patches[i].contiguous(), LocalPatchComm(hub, grid, i))
+        except BaseException as e:  # wake the others: their next wait raises BrokenBarrierError
+            errors.append(e)
+            hub.barrier.abort()
+        finally:
+            hub.turn.release()
+
+    with patch_ops(model, global_modules):
+        threads = [threading.Thread(target=work, args=(i,), name=f"vae-patch-{i}") for i in range(grid.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return grid.assemble(outputs)
