@@ -1,0 +1,119 @@
+"""Text-to-image from the command line; `bash run.sh` runs this. No arguments: the tiny random checkpoint (written
+once into weights/hunyuan-image-tiny/), a 64x64 image in a few steps, a PNG under outputs/hunyuan-image/.
+
+--cfg-parallel / --tp N / --ep N ask for several ranks: outside torchrun the script relaunches itself under
+torchrun (`python -m torch.distributed.run`) with that many local processes (gloo on CPU, hccl on NPUs).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from common import parallel
+from common.loader import CheckpointError
+from common.diffusion.media import write_png
+from pipeline_hunyuan_image import HunyuanImage3Pipeline, parse_image_size
+from tiny_hunyuan_image import write_tiny_checkpoint
+from weights_hunyuan_image import load_model, special_token_ids
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TINY = ROOT / "weights" / "hunyuan-image-tiny"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = ArgumentParser(prog="run.sh", description="HunyuanImage-3.0 text-to-image")
+    p.add_argument("--weights", type=Path, help="checkpoint folder (default: the tiny random checkpoint)")
+    p.add_argument("--prompt", default="A brown and white dog is running on the grass")
+    p.add_argument("--image-size", default="64x64", help="'HxW' (multiples of 16), 'N' or 'auto' (model picks the ratio)")
+    p.add_argument("--infer-steps", type=int, default=4, help="denoising steps (the publisher's default is 50)")
+    p.add_argument("--guidance", type=float, default=5.0, help="CFG scale (<= 1: no CFG)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--cfg-parallel", action="store_true", help="cond and uncond on two ranks")
+    p.add_argument("--tp", type=int, default=1, help="attention tensor parallel size (divides the kv heads)")
+    p.add_argument("--ep", type=int, default=1, help="MoE expert parallel size (divides the experts)")
+    p.add_argument("--no-kv-reuse", action="store_true", help="recompute the full sequence every step")
+    p.add_argument("--output", type=Path, default=ROOT / "outputs" / "hunyuan-image" / "image.png")
+    a = p.parse_args(argv)
+    try:
+        a.size = parse_image_size(a.image_size)
+    except ValueError as e:
+        p.error(f"--image-size: {e}")
+    if a.infer_steps < 1:
+        p.error(f"--infer-steps {a.infer_steps}: must be >= 1")
+    if a.tp < 1 or a.ep < 1:
+        p.error("--tp / --ep: must be >= 1")
+    if a.cfg_parallel and a.guidance <= 1:
+        p.error("--cfg-parallel needs --guidance > 1 (there is no uncond branch otherwise)")
+    if a.weights is not None and not (a.weights / "config.json").is_file():
+        p.error(f"--weights {a.weights}: no config.json there")
+    try:
+        a.layout = parallel.ParallelLayout(dp=max(a.ep // a.tp, 1) if a.ep > 1 else 1, cfg=2 if a.cfg_parallel else 1,
+                                           tp=a.tp, ep=a.ep)
+    except ValueError as e:
+        p.error(f"--cfg-parallel / --tp / --ep: {e}")
+    return a
+
+
+def relaunch_under_torchrun(world: int, argv: list[str]) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(Path(__file__).resolve()), *argv]
+    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}).returncode
+
+
+def fail(message: str) -> None:
+    print("error: " + "; ".join(line.strip() for line in message.splitlines() if line.strip()), file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    world = a.layout.world_size
+    if world > 1 and "WORLD_SIZE" not in os.environ:
+        return relaunch_under_torchrun(world, argv)
+    t0 = time.perf_counter()
+    path = a.weights or TINY
+    if a.weights is None and not (TINY / "config.json").exists():
+        write_tiny_checkpoint(TINY)
+    par = parallel.init_parallel(a.layout)
+    try:
+        try:
+            model = load_model(path, DTYPES[a.dtype], par.group("tp"), par.group("ep"))
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+            special = special_token_ids(tokenizer)
+        except (CheckpointError, ValueError, OSError) as e:
+            fail(str(e))
+        load_s = time.perf_counter() - t0
+        pipe = HunyuanImage3Pipeline(model, tokenizer, special, cfg_group=par.group("cfg"))
+        result = pipe(a.prompt, a.size, a.infer_steps, a.guidance, a.seed, kv_reuse=not a.no_kv_reuse,
+                      progress=par.rank == 0, decode=par.rank == 0)
+        if par.rank == 0:
+            out = write_png(a.output, result.image)
+            H, W = result.image.shape[-2:]
+            t = result.timings
+            print(f"wrote {out}")
+            print(f"size={H}x{W} ratio_index={result.ratio_index} steps={a.infer_steps} ranks={world} "
+                  f"load_s={load_s:.2f} denoise_s={t['denoise_s']:.2f} s_per_step={t['denoise_s'] / a.infer_steps:.3f} "
+                  f"decode_s={t['decode_s']:.2f}")
+    finally:
+        parallel.destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

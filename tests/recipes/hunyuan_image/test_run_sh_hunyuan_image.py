@@ -1,0 +1,52 @@
+"""`bash recipes/hunyuan-image/run.sh` as a user runs it: a subprocess, a real PNG; bad input -> one line, exit 2."""
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import generate_hunyuan_image
+
+RUN_SH = Path(__file__).resolve().parents[3] / "recipes" / "hunyuan-image" / "run.sh"
+
+
+def run(*args, timeout=180):
+    return subprocess.run(["bash", str(RUN_SH), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def test_default_run_writes_a_png(tmp_path):
+    r = run("--output", tmp_path / "a.png")
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {tmp_path / 'a.png'}" in r.stdout
+    stats = dict(kv.split("=") for kv in r.stdout.strip().splitlines()[-1].split())
+    assert stats["size"] == "64x64" and stats["steps"] == "4" and float(stats["denoise_s"]) > 0
+    assert "denoise" in r.stderr  # the progress bar over steps
+    with Image.open(tmp_path / "a.png") as im:
+        assert im.size == (64, 64) and im.mode == "RGB"
+        pixels = np.asarray(im)
+    assert pixels.std() > 0  # not a blank image
+    root = RUN_SH.parents[2]
+    assert (root / "weights" / "hunyuan-image-tiny" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--image-size", "65x64"), "multiples of 16"),
+    (("--image-size", "big"), "--image-size"),
+    (("--infer-steps", "0"), "--infer-steps"),
+    (("--weights", "/no/such/dir"), "/no/such/dir"),
+    (("--cfg-parallel", "--guidance", "1"), "--cfg-parallel"),
+    (("--ep", "2", "--tp", "4"), "ep=2"),
+    (("--cfg-parallel", "--ep", "2"), "ep=2"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(args, needle, capsys):
+    with pytest.raises(SystemExit) as e:  # in-process: the same main() run.sh executes
+        generate_hunyuan_image.main(list(args))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_bad_checkpoint_through_run_sh(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    r = run("--weights", tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "model.safetensors" in r.stderr, r.stderr
