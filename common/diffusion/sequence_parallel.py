@@ -138,17 +138,13 @@ def ring_attention(q, k, v, group: dist.ProcessGroup | None, scale: float, joint
 
     P - 1 exchanges of a K/V shard each; the exchange of the next block overlaps the attention on the current one.
     Partials are merged in fp32 (common.ops.merge_attention_states) and cast to q.dtype at the end. Joint text:
-    the local queries are [video shard; text], the text K/V is attended once; the text rows' partials are merged
-    in the order (text, block 0, .., block P-1) on every rank, so joint_out is bitwise the same on all ranks.
+    the text K/V is attended once by every query; the text queries attend each block separately from the video
+    queries and their partials are merged in the order (text, block 0, .., block P-1), so joint_out is the same
+    bits on every rank.
     Returns out [B, S/P, Hq, Dv], or (out, joint_out [B, L, Hq, Dv]) with joint_q / joint_k / joint_v.
     """
     P, r, (B, n) = group_size(group), group_rank(group), q.shape[:2]
-    joint = joint_q is not None
     q_mask = _valid_rows(seq_len, r * n, n, B, q.device)  # [B, n] or None
-    if joint:
-        L = joint_q.shape[1]
-        q_mask = _cat_masks(q_mask, joint_mask, (B, n), (B, L), q.device)
-        q = torch.cat([q, joint_q], 1)  # [B, n + L, Hq, D]
     k, v = k.contiguous(), v.contiguous()
     video_acc, text_parts = None, [None] * P  # video rows merged as blocks arrive; text rows by block index
     for step in range(P):
@@ -159,19 +155,21 @@ def ring_attention(q, k, v, group: dist.ProcessGroup | None, scale: float, joint
         k_mask = _valid_rows(seq_len, src * n, n, B, q.device)
         if k_mask is None or bool(k_mask.any()):  # a block of padding only adds nothing
             o, l = masked_attention(q, k, v, scale, return_lse=True, q_mask=q_mask, k_mask=k_mask)
-            o = o.float()  # [B, n (+ L), Hq, Dv], lse [B, n (+ L), Hq]
-            video_acc = _merge(video_acc, (o[:, :n], l[:, :n]))
-            text_parts[src] = (o[:, n:], l[:, n:])
+            video_acc = _merge(video_acc, (o.float(), l))  # [B, n, Hq, Dv], [B, n, Hq]
+            if joint_q is not None:  # text queries on their own: the same shapes and bits on every rank
+                o, l = masked_attention(joint_q, k, v, scale, return_lse=True, q_mask=joint_mask, k_mask=k_mask)
+                text_parts[src] = (o.float(), l)  # [B, L, Hq, Dv], [B, L, Hq]
         if reqs is not None:
             for req in reqs:
                 req.wait()
             k, v = k_next, v_next
-    if not joint:
+    if joint_q is None:
         return video_acc[0].to(q.dtype)
     o, l = masked_attention(q, joint_k, joint_v, scale, return_lse=True, q_mask=q_mask, k_mask=joint_mask)
-    o = o.float()
-    video_acc = _merge(video_acc, (o[:, :n], l[:, :n]))
-    text_acc = (o[:, n:], l[:, n:])
+    video_acc = _merge(video_acc, (o.float(), l))
+    text_acc = masked_attention(joint_q, joint_k, joint_v, scale, return_lse=True, q_mask=joint_mask,
+                                k_mask=joint_mask)
+    text_acc = (text_acc[0].float(), text_acc[1])
     for part in text_parts:
         if part is not None:
             text_acc = _merge(text_acc, part)

@@ -4,7 +4,12 @@ import torch
 from dist_helpers import run_ranks
 
 from common import parallel
-from common.diffusion.sequence_parallel import _attention, ring_attention, ulysses_attention
+from common.diffusion.sequence_parallel import (
+    _attention,
+    masked_attention,
+    ring_attention,
+    ulysses_attention,
+)
 
 S, D = 12, 8
 
@@ -51,3 +56,86 @@ def test_attention_matches_sdpa():
 )
 def test_two_ranks_equal_one(kind, heads, kv_heads):
     run_ranks(_check_ranks, 2, kind, heads, kv_heads)
+
+
+# Joint (MM-DiT) attention: replicated text tokens beside the sharded video, right-padded per row.
+L, TEXT_LENS = 5, (5, 3)
+
+
+def _joint_inputs(heads, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    jq, jk, jv = (torch.randn(2, L, heads, D, generator=g) for _ in range(3))  # [B, L, H, D]
+    mask = torch.arange(L)[None] < torch.tensor(TEXT_LENS)[:, None]  # [B, L]
+    return jq, jk, jv, mask
+
+
+def _joint_reference(q, k, v, jq, jk, jv, mask, seq_len):
+    """Per row: SDPA over [video[:seq_len]; real text] -> (video out [B, seq_len, H, D], text out [B, L, H, D])."""
+    video, text = [], []
+    for b in range(q.shape[0]):
+        n = int(mask[b].sum())
+        qs, ks, vs = (torch.cat([x[b, :seq_len], j[b, :n]]).transpose(0, 1) for x, j in ((q, jq), (k, jk), (v, jv)))
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)  # [seq_len + n, H, D]
+        video.append(o[:seq_len])
+        text.append(torch.nn.functional.pad(o[seq_len:], (0, 0, 0, 0, 0, L - n)))  # padded text rows are 0
+    return torch.stack(video), torch.stack(text)
+
+
+JOINT_CASES = ((4, S), (3, S - 3), (3, S - 7))  # (heads, real positions): 3 heads over 2 ranks; padding
+
+
+def _check_joint(kind: str) -> None:
+    """S = 12 positions sharded over the ranks, the last S - seq_len of them padding."""
+    par = parallel.init_parallel(parallel.ParallelLayout(sp=2), timeout_s=30)
+    try:
+        for heads, seq_len in JOINT_CASES:
+            _check_joint_case(par, kind, heads, seq_len)
+    finally:
+        parallel.destroy_parallel()
+
+
+def _check_joint_case(par, kind: str, heads: int, seq_len: int) -> None:
+    q, k, v = _inputs(heads, heads)
+    jq, jk, jv, mask = _joint_inputs(heads)
+    want_video, want_text = _joint_reference(q, k, v, jq, jk, jv, mask, seq_len)
+    r, n = par.rank_in("sp"), S // par.size("sp")
+    shard = [t[:, r * n:(r + 1) * n] for t in (q, k, v)]
+    fn = ulysses_attention if kind == "ulysses" else ring_attention
+    got_video, got_text = fn(*shard, par.group("sp"), D**-0.5, joint_q=jq, joint_k=jk, joint_v=jv,
+                             joint_mask=mask, seq_len=None if seq_len == S else seq_len)
+    real = min(n, max(0, seq_len - r * n))  # this rank's real rows
+    torch.testing.assert_close(got_video[:, :real], want_video[:, r * n:r * n + real], rtol=1e-5, atol=1e-5)
+    assert not got_video[:, real:].any()  # padded rows come back as 0
+    torch.testing.assert_close(got_text, want_text, rtol=1e-5, atol=1e-5)
+    texts = [torch.empty_like(got_text) for _ in range(2)]
+    torch.distributed.all_gather(texts, got_text, group=par.group("sp"))
+    assert torch.equal(texts[0], texts[1])  # the replicated text output is the same bits on every rank
+
+
+@pytest.mark.parametrize("fn", [ulysses_attention, ring_attention])
+@pytest.mark.parametrize("seq_len", [S, S - 3])
+def test_joint_single_rank(fn, seq_len):
+    q, k, v = _inputs(3, 3)
+    jq, jk, jv, mask = _joint_inputs(3)
+    want_video, want_text = _joint_reference(q, k, v, jq, jk, jv, mask, seq_len)
+    got_video, got_text = fn(q, k, v, None, D**-0.5, joint_q=jq, joint_k=jk, joint_v=jv, joint_mask=mask,
+                             seq_len=seq_len)
+    torch.testing.assert_close(got_video[:, :seq_len], want_video, rtol=1e-5, atol=1e-5)
+    assert not got_video[:, seq_len:].any()
+    torch.testing.assert_close(got_text, want_text, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_attention_leaves_out_padding():
+    q, k, v = _inputs(2, 2)
+    q_mask = torch.tensor([[True] * S, [True] * 5 + [False] * (S - 5)])
+    k_mask = torch.tensor([[True] * 7 + [False] * (S - 7), [True] * S])
+    got = masked_attention(q, k, v, D**-0.5, q_mask=q_mask, k_mask=k_mask)
+    torch.testing.assert_close(got[0], masked_attention(q[:1], k[:1, :7], v[:1, :7], D**-0.5)[0])
+    torch.testing.assert_close(got[1, :5], masked_attention(q[1:, :5], k[1:], v[1:], D**-0.5)[0])
+    assert not got[1, 5:].any()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ulysses", "ring"])
+def test_joint_two_ranks_equal_one(kind):
+    run_ranks(_check_joint, 2, kind)
