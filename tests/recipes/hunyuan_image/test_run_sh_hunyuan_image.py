@@ -50,3 +50,14 @@ def test_bad_checkpoint_through_run_sh(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     r = run("--weights", tmp_path)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "model.safetensors" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_ep_run_under_torchrun_matches_one_rank(tmp_path):
+    one, two = tmp_path / "one.png", tmp_path / "ep2.png"
+    assert run("--output", one).returncode == 0
+    r = run("--ep", "2", "--output", two, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "ranks=2" in r.stdout and r.stdout.count("wrote ") == 1  # rank 0 writes, once
+    a, b = (np.asarray(Image.open(p)).astype(int) for p in (one, two))
+    assert np.abs(a - b).max() <= 1  # fp32 sums in another order: at most one level of rounding
