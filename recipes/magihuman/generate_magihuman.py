@@ -11,13 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from common import backend
-from common.diffusion.media import write_mp4
-from common.loader import CheckpointError
-from pipeline_magihuman import MODES, MagiHumanPipeline
-from tiny_magihuman import write_tiny_models
+MODES = ("base", "distill", "sr540", "sr1080")  # pipeline_magihuman.MODES; the heavy imports wait for valid args
 
 HERE = Path(__file__).resolve().parent
 TINY = HERE.parents[1] / "weights" / "magihuman-tiny"
@@ -32,6 +26,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def ensure_tiny() -> Path:
+    from tiny_magihuman import write_tiny_models
+
     if not all((TINY / part / "config.json").is_file() for part in PARTS):
         write_tiny_models(TINY)
     return TINY
@@ -63,6 +59,7 @@ def parser() -> ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="distill",
                    help="base: 32 steps with CFG; distill: 8 steps; sr540 / sr1080: distill + latent super-resolution")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--negative-prompt", help="CFG negative prompt of the base and SR stages (default: ours, short)")
     p.add_argument("--image", type=Path, help="first frame (text+image-to-video)")
     p.add_argument("--seconds", type=positive_float, help="clip length (default 0.4 tiny, 5 real)")
     p.add_argument("--size", type=parse_size, help="WIDTHxHEIGHT of the base stage (default 64x64 tiny, 448x256 real)")
@@ -96,10 +93,17 @@ def main(argv=None) -> int:
     seconds = a.seconds or (0.4 if tiny else 5.0)
     size = a.size or ((64, 64) if tiny else (448, 256))
     out = a.out or OUTPUTS / f"{a.mode}-{a.seed}.mp4"
+    quiet_libraries()
+    from common import backend
+    from common.diffusion.media import write_mp4
+    from common.loader import CheckpointError
+    from pipeline_magihuman import NEGATIVE_PROMPT, MagiHumanPipeline
+
     start = time.perf_counter()
     try:
         pipe = MagiHumanPipeline(ensure_tiny() if tiny else a.weights, backend.device(), offload=a.offload)
-        gen = pipe(a.prompt, mode=a.mode, seconds=seconds, size=size, seed=a.seed, image=image, sr_size=a.sr_size)
+        gen = pipe(a.prompt, mode=a.mode, seconds=seconds, size=size, seed=a.seed, image=image, sr_size=a.sr_size,
+                   negative_prompt=a.negative_prompt or NEGATIVE_PROMPT)
     except (CheckpointError, OSError, ValueError) as e:
         print("error: " + "; ".join(line.strip() for line in str(e).splitlines() if line.strip()), file=sys.stderr)
         return 2
@@ -113,12 +117,17 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def quiet_libraries() -> None:
+    """No per-file progress bars or deprecation notes from the libraries on the recipe's output."""
     import warnings
 
+    from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as hf_logging
 
     warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)  # diffusers' Oobleck
     hf_logging.disable_progress_bar()
-    torch.set_grad_enabled(False)
+    diffusers_logging.disable_progress_bar()
+
+
+if __name__ == "__main__":
     sys.exit(main())

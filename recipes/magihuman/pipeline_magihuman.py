@@ -22,17 +22,20 @@ from common import backend
 from modeling_magihuman import build_inputs
 from offload_magihuman import StageModels
 from scheduler_magihuman import (AUDIO_CFG, BASE_STEPS, DISTILL_STEPS, SR_STEPS, cfg, distill_step, flow_sigmas,
-                                 make_unipc, renoise, video_guidance)
+                                 make_unipc, renoise, sr_video_guidance, video_guidance)
 from weights_magihuman import load_dit
 
 MODES = ("base", "distill", "sr540", "sr1080")
 FPS, LATENT_RATE, AUDIO_HOP, SAMPLE_RATE = 25, 25, 2048, 44100  # 25 audio latents / s, 2048 samples each (51.2 kHz)
 MAX_TEXT_TOKENS = 640
 SR_MIX_NOISE = 0.7  # SR audio input: 0.7 eps + 0.3 base audio, held fixed
+# Our short wording of the publisher's three groups (picture, sound, speech delivery); theirs is in
+# inference/pipeline/video_generate.py and can be passed with --negative-prompt.
 NEGATIVE_PROMPT = (
-    "blurry, low quality, distorted faces, deformed hands, flickering, jitter, watermark, subtitles, static frame, "
-    "unnatural motion; muffled, noisy, clipped or robotic audio, background hum; lip movements out of sync with "
-    "the speech, mumbled or slurred delivery, monotone voice")
+    "overexposed, blurred details, subtitles, static picture, worst quality, low quality, JPEG artifacts, deformed, "
+    "extra fingers, poorly drawn hands and faces, messy background, many people in the background; noise, hiss, "
+    "hum, clipping, distortion, muffled, echo, music, crowd noise; monotone, robotic, mumbling, slurred speech, "
+    "stuttering, unnatural pauses, multiple speakers")
 
 
 @dataclass
@@ -143,8 +146,10 @@ class MagiHumanPipeline:
             audio = distill_step(audio, v_audio, sigma, sigma_next, self.noise(audio.shape, gen))
         return impose(video, frame0), audio
 
-    def denoise_unipc(self, dit, video, audio, text, steps, negative=None, frame0=None, audio_fixed=False):
-        """Flow UniPC over `steps`; with `negative` text, CFG (video 5.0 -> 2.0 at timestep 500, audio 5.0)."""
+    def denoise_unipc(self, dit, video, audio, text, steps, negative=None, video_scale=video_guidance, frame0=None,
+                      audio_fixed=False):
+        """Flow UniPC over `steps`; with `negative` text, CFG: video scale video_scale(timestep) (a float or a
+        per-frame tensor), audio 5.0. audio_fixed: the audio input is held (SR)."""
         grid = grid_of(video)
         inp = build_inputs(dit.config, grid, audio.shape[0], text.shape[0], self.device)
         neg_inp = None if negative is None else build_inputs(dit.config, grid, audio.shape[0], negative.shape[0],
@@ -155,7 +160,7 @@ class MagiHumanPipeline:
             v_video, v_audio = dit.velocity(video, audio, text, inp)
             if negative is not None:  # uncond: the same latents with the negative prompt
                 u_video, u_audio = dit.velocity(video, audio, negative, neg_inp)
-                v_video, v_audio = cfg(v_video, u_video, video_guidance(int(t))), cfg(v_audio, u_audio, AUDIO_CFG)
+                v_video, v_audio = cfg(v_video, u_video, video_scale(int(t))), cfg(v_audio, u_audio, AUDIO_CFG)
             video = video_sched.step(v_video, t, video).prev_sample
             if not audio_fixed:
                 audio = audio_sched.step(v_audio, t, audio).prev_sample
@@ -167,7 +172,7 @@ class MagiHumanPipeline:
     # -- the whole pipeline -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, prompt: str, mode: str = "distill", seconds: float = 5.0, size=(448, 256), seed: int = 0,
-                 image=None, sr_size=None) -> Generation:
+                 image=None, sr_size=None, negative_prompt: str = NEGATIVE_PROMPT) -> Generation:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
         timings: dict[str, float] = {}
@@ -181,8 +186,8 @@ class MagiHumanPipeline:
             timings[name] = timings.get(name, 0.0) + now - start
             start = now
 
-        texts = self.encode_text([prompt, NEGATIVE_PROMPT] if mode == "base" else [prompt])
-        text, negative = texts[0], (texts[1] if mode == "base" else None)
+        texts = self.encode_text([prompt] if mode == "distill" else [prompt, negative_prompt])  # SR stage has CFG
+        text, negative = texts[0], (texts[1] if len(texts) > 1 else None)
         lap("text")
         A, T, h, w = latent_shape(seconds, *size)
         if h < 2 or w < 2:
@@ -196,7 +201,7 @@ class MagiHumanPipeline:
             lap("image_encode")
         with self.models.use(dit_name(mode)) as dit:
             if mode == "base":
-                video, audio = self.denoise_unipc(dit, video, audio, text, BASE_STEPS, negative, frame0)
+                video, audio = self.denoise_unipc(dit, video, audio, text, BASE_STEPS, negative, frame0=frame0)
             else:
                 video, audio = self.denoise_distill(dit, video, audio, text, gen, frame0)
         lap("denoise")
@@ -207,8 +212,10 @@ class MagiHumanPipeline:
             video = renoise(video, self.noise(video.shape, gen))
             audio_in = SR_MIX_NOISE * self.noise(audio.shape, gen) + (1 - SR_MIX_NOISE) * audio
             frame0 = None if image is None else self.encode_image(image, 16 * h2, 16 * w2)
+            scale = sr_video_guidance(T).to(self.device)  # [1, T, 1, 1], constant over steps
             with self.models.use("540p_sr" if mode == "sr540" else "1080p_sr") as sr_dit:
-                video, _ = self.denoise_unipc(sr_dit, video, audio_in, text, SR_STEPS, frame0=frame0, audio_fixed=True)
+                video, _ = self.denoise_unipc(sr_dit, video, audio_in, text, SR_STEPS, negative, lambda t: scale,
+                                              frame0, audio_fixed=True)
             lap("sr")  # the final audio is the base stage's
         pixels = self.decode_video(video)
         lap("vae_decode")

@@ -17,6 +17,7 @@ FLOW_SHIFT = 5.0
 SR_RENOISE_ALPHA = 0.83891  # sqrt(alpha_bar) of a ZeroSNR DDPM schedule at index 220 (publisher's constant)
 BASE_STEPS, DISTILL_STEPS, SR_STEPS = 32, 8, 5
 VIDEO_CFG_HIGH, VIDEO_CFG_LOW, AUDIO_CFG, CFG_SWITCH_TIMESTEP = 5.0, 2.0, 5.0, 500
+SR_VIDEO_CFG, SR_EARLY_FRAMES_CFG, SR_EARLY_FRAMES = 3.5, 2.0, 13  # SR: frames < 13 at min(2.0, 3.5) (over-exposure)
 
 
 def unshifted_sigmas(num_steps: int) -> np.ndarray:
@@ -48,7 +49,14 @@ def video_guidance(timestep: int) -> float:
     return VIDEO_CFG_HIGH if timestep > CFG_SWITCH_TIMESTEP else VIDEO_CFG_LOW
 
 
-def cfg(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
+def sr_video_guidance(latent_frames: int) -> torch.Tensor:
+    """SR video CFG scale per latent frame, [1, T, 1, 1]: 3.5, lowered to 2.0 for the first 13 frames."""
+    scale = torch.full((1, latent_frames, 1, 1), SR_VIDEO_CFG)
+    scale[:, :SR_EARLY_FRAMES] = min(SR_EARLY_FRAMES_CFG, SR_VIDEO_CFG)
+    return scale
+
+
+def cfg(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale) -> torch.Tensor:
     return v_uncond + scale * (v_cond - v_uncond)
 
 
