@@ -7,17 +7,21 @@ token so that only one patch computes at a time (the others wait at the next exc
 combined over the local patches (count, mean, M2 per patch, Chan's formula in fp64), exactly as the ranks combine
 them in patch-parallel decode.
 
-Memory: every patch's activations stay alive until the next exchange, so the live activations add up to the
-whole frame's, as untiled. What the patches bound is each op's transient working set: the padded copy of a
-conv's input, the conv's workspace (im2col / the NPU conv's scratch) and output being written, GroupNorm's fp32
-temporaries, all sized by one patch instead of the frame. That is the peak at the full-resolution convs (a
-3x3x3 conv's im2col is 27x its input).
+Memory: the patches advance layer by layer together (GroupNorm needs every patch's statistics before any patch
+goes on), so between exchanges the live activations add up to the whole frame's, as untiled. What tiling bounds
+is each op's transient working set: the conv's padded input copy (built after the halo exchange, for one patch at
+a time), the conv workspace and the output being written, GroupNorm's fp32 temporaries. At the largest conv the
+peak drops from input + padded copy + output of the whole frame to input + output of the whole frame plus one
+patch's padded copy. Measured (live tensor bytes, a (32, 64, 128, 128)-channel decoder, latent 2 x 16 x 16 ->
+5 x 128 x 128, fp32): untiled 82 MB, 2 x 2 patches 55 MB, 4 x 4 patches 47 MB. It does not make a whole 720p
+129-frame video fit one device (two whole-frame 256-channel activations at 720p are about 120 GB in bf16): that
+needs patch-parallel decode over several devices (vae_parallel.py: each rank holds 1/P), or the blended scheme.
 
 tiled_decode: the diffusers-style scheme for a decoder seen as a black box: overlapping latent tiles decoded
 independently, blended linearly, cropped. Peak memory follows the tile, but it is not exact: each tile's
 GroupNorm statistics and attention see only the tile, and its convs see padding at tile edges; the blend hides
-the seams (error measured in tests/diffusion/test_vae_tiling.py). Use it only for decoders whose modules
-exact_tiled_decode cannot patch.
+the seams (error measured in tests/diffusion/test_vae_tiling.py). Use it for decoders whose modules
+exact_tiled_decode cannot patch, or when only a tile's working set fits the device and exactness can go.
 """
 from __future__ import annotations
 

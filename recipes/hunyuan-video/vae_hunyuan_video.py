@@ -129,9 +129,10 @@ class ResnetBlockCausal3D(nn.Module):
         self.conv_shortcut = CausalConv3d(in_channels, out_channels, 1) if in_channels != out_channels else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, Ci, T, H, W] -> [B, Co, T, H, W]
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(F.silu(self.norm2(h)))
-        return h + (x if self.conv_shortcut is None else self.conv_shortcut(x))
+        h = self.conv1(F.silu(self.norm1(x), inplace=True))  # SiLU in place on the fresh norm output
+        h = self.norm2(h)  # rebinding h frees each intermediate as soon as the next exists
+        h = self.conv2(F.silu(h, inplace=True))
+        return h.add_(x if self.conv_shortcut is None else self.conv_shortcut(x))
 
 
 class Attention(nn.Module):
@@ -184,12 +185,13 @@ class UpsampleCausal3D(nn.Module):
         self.conv = CausalConv3d(channels, channels, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, T, H, W] -> [B, C, ft(T-1)+1, fh H, fw W]
-        first, rest = x[:, :, :1], x[:, :, 1:]
-        first = F.interpolate(first.squeeze(2), scale_factor=self.upsample_factor[1:], mode="nearest").unsqueeze(2)
-        if rest.shape[2]:
-            rest = F.interpolate(rest.contiguous(), scale_factor=self.upsample_factor, mode="nearest")
-            first = torch.cat([first, rest], dim=2)
-        return self.conv(first)
+        first = F.interpolate(x[:, :, 0], scale_factor=self.upsample_factor[1:], mode="nearest")  # [B, C, fh H, fw W]
+        if x.shape[2] > 1:  # the upsampled rest is a temporary: only the concatenation stays alive for the conv
+            x = torch.cat([first[:, :, None], F.interpolate(x[:, :, 1:].contiguous(), scale_factor=self.upsample_factor,
+                                                            mode="nearest")], dim=2)
+        else:
+            x = first[:, :, None]
+        return self.conv(x)
 
 
 class UpDecoderBlockCausal3D(nn.Module):

@@ -2,10 +2,13 @@
 decoder and on diffusers' own AutoencoderKLHunyuanVideo decoder, odd sizes and 2-D grids included; the blended
 tiled_decode is exact for a pointwise decoder and measured against diffusers' tiling on a real one."""
 import threading
+import weakref
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from vae_hunyuan_video import Attention, load_vae, write_tiny_vae
 
 from common.diffusion.vae_parallel import PatchGrid
@@ -137,3 +140,49 @@ def test_patch_grid():
     assert grid.neighbour(0, -1, -1) is None and grid.neighbour(0, -2, 1) == 3 and grid.neighbour(5, -1, 1) is None
     with pytest.raises(ValueError, match="cannot be cut into 7"):
         PatchGrid.for_ranks(2, 3, 7)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of live CPU tensor storages created under it (any thread that enters it), and the peak."""
+
+    def __init__(self, shared=None):
+        super().__init__()
+        self.shared = shared or {"lock": threading.Lock(), "live": {}, "now": 0, "peak": 0}
+
+    def _drop(self, key):
+        s = self.shared
+        with s["lock"]:
+            s["live"][key][1] -= 1
+            if s["live"][key][1] == 0:
+                s["now"] -= s["live"].pop(key)[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        s = self.shared
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage().data_ptr()
+                with s["lock"]:
+                    if key not in s["live"]:
+                        s["live"][key] = [t.untyped_storage().nbytes(), 0]
+                        s["now"] += s["live"][key][0]
+                        s["peak"] = max(s["peak"], s["now"])
+                    s["live"][key][1] += 1
+                weakref.finalize(t, self._drop, key)
+        return out
+
+
+def test_tiled_peak_memory_is_lower(tiny_vae):
+    """Peak live tensor bytes: the padded conv inputs exist for one patch at a time (vae_tiling's docstring)."""
+    z = torch.randn(1, 16, 2, 8, 8)
+    peaks = {}
+    for tile in (8, 4):  # 8: one patch (the untiled decode), 4: 2 x 2 patches
+        shared = _LiveBytes().shared
+
+        def decode(t, shared=shared):
+            with _LiveBytes(shared):
+                return tiny_vae.decode(t)
+
+        exact_tiled_decode(tiny_vae, decode, z, (Attention,), tile=tile)
+        peaks[tile] = shared["peak"]
+    assert peaks[4] < 0.75 * peaks[8], peaks
