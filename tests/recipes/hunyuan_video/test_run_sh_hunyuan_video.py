@@ -1,0 +1,68 @@
+"""`bash recipes/hunyuan-video/run.sh` as a user runs it: a subprocess, real files, a decodable MP4; torchrun for --sp."""
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.diffusion.media import probe_mp4
+
+RUN_SH = Path(__file__).resolve().parents[3] / "recipes" / "hunyuan-video" / "run.sh"
+
+
+def run(*args, timeout=300):
+    return subprocess.run(["bash", str(RUN_SH), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def frames(path):
+    import av
+
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]).astype(np.float32)
+
+
+def test_default_run_writes_the_mp4():
+    r = run()
+    assert r.returncode == 0, r.stderr
+    root = RUN_SH.parents[2]
+    path = root / "outputs" / "hunyuan-video" / "video.mp4"
+    assert f"wrote {path}" in r.stdout and "denoise" in r.stdout and "vae decode" in r.stdout
+    info = probe_mp4(path)
+    assert (info["frames"], info["height"], info["width"], info["fps"]) == (5, 64, 64, 24.0)
+    assert (root / "weights" / "hunyuan-video-tiny" / "hunyuan-video-t2v-720p" / "transformers").is_dir()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--weights", "/no/such/dir"), "/no/such/dir"),
+    (("--config", "/no/such.yaml"), "/no/such.yaml"),
+    (("--video-size", "40", "64"), "multiples of 16"),
+    (("--video-length", "6"), "4k + 1"),
+    (("--cache", "magic"), "--cache"),
+    (("--sp", "0"), "--sp"),
+    (("--cfg-parallel",), "true CFG"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(args, needle):
+    r = run(*args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_a_folder_without_the_checkpoint_is_one_line(tmp_path):
+    r = run("--weights", tmp_path)
+    assert r.returncode == 2 and "transformers" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_sequence_parallel_run_matches_one_rank(tmp_path):
+    """--sp 2 under torchrun (ring attention, patch-parallel VAE) writes the same video as one rank (fp32: in bf16
+    the ranks' different reduction orders show, about 2/255 per pixel on these random weights)."""
+    one, two = tmp_path / "one.mp4", tmp_path / "two.mp4"
+    args = ("--video-size", "32", "32", "--video-length", "5", "--infer-steps", "2", "--vae-tiling", "--dtype", "fp32")
+    r1 = run(*args, "--output", one)
+    assert r1.returncode == 0, r1.stderr
+    r2 = run(*args, "--sp", "2", "--sp-mode", "ring", "--output", two)
+    assert r2.returncode == 0, r2.stderr
+    assert "sp=2 (ring)" in r2.stdout
+    a, b = frames(one), frames(two)
+    assert a.shape == b.shape == (5, 32, 32, 3)
+    assert np.abs(a - b).max() <= 1  # the same pixels, up to a rounding step of the 8-bit conversion
