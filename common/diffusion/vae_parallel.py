@@ -20,9 +20,11 @@ it runs on the patch as is.
   (mean = sum n_i m_i / n; M2 = sum M2_i + n_i (m_i - mean)^2), then each patch normalises itself. No
   sum-of-squares cancellation, so the result matches torch's GroupNorm over the whole frame to rounding.
 - Global modules (the types given, e.g. the mid-block attention, which mixes all positions): the patches are
-  gathered into the whole frame, the module runs once on it (once per rank when parallel, once in all when
-  tiled), and each patch keeps its own region. This happens at the decoder's lowest resolution, where the frame is
-  smallest; inside, the other swaps are off.
+  gathered into the whole frame and each patch takes its own region of the module's output. Tiled, the module runs
+  once on the frame; parallel, each rank computes only its region's outputs when the module has
+  `forward_region(frame, rows, cols)` (attention: only those queries, keys from the whole frame), else runs it
+  whole. This happens at the decoder's lowest resolution, where the frame is smallest; inside, the other swaps
+  are off.
 
 A conv with a spatial kernel > 1 that is not such a padded conv (inside a global module excepted) raises at
 entry rather than run wrong. Not covered: spatially strided convs, non-nearest interpolation, reflect padding.
@@ -134,9 +136,11 @@ class PatchComm:
         """Every patch's x (patch j's has shape shapes[j]), in index order."""
         raise NotImplementedError
 
-    def gather_apply(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """fn(whole frame assembled from every patch's x), returned to every patch."""
-        return fn(self.grid.assemble(self.all_gather(x, self.grid.shapes_like(x, self.index))))
+    def gather_apply(self, x: torch.Tensor, whole: Callable[[torch.Tensor], torch.Tensor],
+                     part: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """This patch's output of a module that needs the whole frame (assembled from every patch's x):
+        part(frame) computes only this patch's output. (Local patches instead run whole(frame) once and crop.)"""
+        return part(self.grid.assemble(self.all_gather(x, self.grid.shapes_like(x, self.index))))
 
 
 class DistPatchComm(PatchComm):
@@ -275,21 +279,30 @@ def _global_forward(module: nn.Module, original: Callable, x: torch.Tensor) -> t
     if comm is None:
         return original(x)
 
-    def whole(frame: torch.Tensor) -> torch.Tensor:
+    s = x.shape[-2] // comm.grid.extent(comm.index)[0]
+    rows, cols = comm.grid.region(comm.index)
+    rows, cols = slice(rows.start * s, rows.stop * s), slice(cols.start * s, cols.stop * s)  # at x's resolution
+
+    def unpatched(fn: Callable, *args) -> torch.Tensor:
         _state.suspended = True
         try:
-            out = original(frame)
+            return fn(*args)
         finally:
             _state.suspended = False
+
+    def whole(frame: torch.Tensor) -> torch.Tensor:  # [.., H * s, W * s] -> the whole frame's output
+        out = unpatched(original, frame)
         if out.shape[-2:] != frame.shape[-2:]:
             raise ValueError(f"global module {type(module).__name__} changed the spatial size "
                              f"{tuple(frame.shape[-2:])} -> {tuple(out.shape[-2:])}")
         return out
 
-    full = comm.gather_apply(x, whole)  # [.., H * s, W * s], the whole frame's output
-    s = x.shape[-2] // comm.grid.extent(comm.index)[0]
-    rows, cols = comm.grid.region(comm.index)
-    return full[..., rows.start * s:rows.stop * s, cols.start * s:cols.stop * s]
+    def part(frame: torch.Tensor) -> torch.Tensor:  # only this patch's region, when the module can do that
+        if hasattr(module, "forward_region"):
+            return unpatched(module.forward_region, frame, rows, cols)
+        return whole(frame)[..., rows, cols]
+
+    return comm.gather_apply(x, whole, part)
 
 
 def _is_padded_conv(m: nn.Module) -> bool:

@@ -127,10 +127,12 @@ class LocalPatchComm(PatchComm):
         got = self._round({(self.index,): x}, [(j,) for j in range(self.grid.size)])
         return [got[(j,)] for j in range(self.grid.size)]
 
-    def gather_apply(self, x, fn):
+    def gather_apply(self, x, whole, part):
         parts = self.all_gather(x, [])
-        out = fn(self.grid.assemble(parts)) if self.index == 0 else None  # once for all patches
-        return self.all_gather(out, [])[0]
+        out = whole(self.grid.assemble(parts)) if self.index == 0 else None  # once for all patches
+        rows, cols = self.grid.region(self.index)
+        s = x.shape[-2] // (rows.stop - rows.start)
+        return self.all_gather(out, [])[0][..., rows.start * s:rows.stop * s, cols.start * s:cols.stop * s]
 
 
 def exact_tiled_decode(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor,

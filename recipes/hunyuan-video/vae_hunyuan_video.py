@@ -146,21 +146,30 @@ class Attention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(channels, channels), nn.Dropout(0.0)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, T, H, W]
+        return self.forward_region(x, slice(None), slice(None))
+
+    def forward_region(self, x: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
+        """forward(x)[..., rows, cols], computing only those queries (keys: every position of x).
+        x [B, C, T, H, W] -> [B, C, T, h, w] for the h x w region."""
         B, C, T, H, W = x.shape
-        hw = H * W
-        tokens = self.group_norm(x).flatten(2).transpose(1, 2)  # [B, T*H*W, C], frame-major
-        q, k, v = (p(tokens).view(B, T * hw, self.heads, self.head_dim) for p in (self.to_q, self.to_k, self.to_v))
-        out = torch.empty_like(q)  # [B, N, heads, D]
+        normed = self.group_norm(x)
+        tokens = normed.flatten(2).transpose(1, 2)  # [B, T*H*W, C], frame-major
+        k, v = (p(tokens).view(B, T * H * W, self.heads, self.head_dim) for p in (self.to_k, self.to_v))
+        x = x[..., rows, cols]
+        h, w = x.shape[-2:]
+        hw = h * w
+        q = self.to_q(normed[..., rows, cols].flatten(2).transpose(1, 2)).view(B, T * hw, self.heads, self.head_dim)
+        out = torch.empty_like(q)  # [B, T*h*w, heads, D]
         cu_q = torch.arange(B + 1, dtype=torch.int32, device=x.device) * hw
         for t in range(T):  # frame t's queries see frames 0..t: one packed call per frame, batches as sequences
-            n = (t + 1) * hw
-            qt = q[:, t * hw:n].reshape(B * hw, self.heads, self.head_dim)  # [B*HW, heads, D]
+            n = (t + 1) * H * W
+            qt = q[:, t * hw:(t + 1) * hw].reshape(B * hw, self.heads, self.head_dim)  # [B*h*w, heads, D]
             kt, vt = (a[:, :n].reshape(B * n, self.heads, self.head_dim) for a in (k, v))  # [B*n, heads, D]
             cu_k = torch.arange(B + 1, dtype=torch.int32, device=x.device) * n
-            out[:, t * hw:n] = ops.attention(qt, kt, vt, cu_q, cu_k, self.head_dim ** -0.5,
-                                             causal=False).view(B, hw, self.heads, self.head_dim)
-        out = self.to_out[0](out.flatten(2))  # [B, N, C]
-        return x + out.transpose(1, 2).reshape(B, C, T, H, W)
+            out[:, t * hw:(t + 1) * hw] = ops.attention(qt, kt, vt, cu_q, cu_k, self.head_dim ** -0.5,
+                                                        causal=False).view(B, hw, self.heads, self.head_dim)
+        out = self.to_out[0](out.flatten(2))  # [B, T*h*w, C]
+        return x + out.transpose(1, 2).reshape(B, C, T, h, w)
 
 
 class UNetMidBlockCausal3D(nn.Module):

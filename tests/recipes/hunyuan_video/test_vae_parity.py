@@ -97,3 +97,13 @@ def test_npu_path_emulated(tiny):
             ops.use_backend(previous)
     assert "npu_fused_infer_attention_score" in emulator.calls
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_region_is_a_crop_of_the_whole(tiny):
+    """Patch-parallel decode asks the mid-block attention for one patch's queries only."""
+    _, ours, _ = tiny
+    attn = ours.decoder.mid_block.attentions[0]
+    x = torch.randn(2, attn.to_q.in_features, 3, 5, 6)  # [B, C, T, H, W]
+    with torch.no_grad():
+        whole, region = attn(x), attn.forward_region(x, slice(1, 4), slice(2, 6))
+    torch.testing.assert_close(region, whole[..., 1:4, 2:6], rtol=1e-5, atol=1e-6)
