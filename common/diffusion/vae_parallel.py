@@ -36,6 +36,7 @@ lowest resolution); every rank ends with the whole (3-channel) output.
 """
 from __future__ import annotations
 
+import abc
 import functools
 import math
 import threading
@@ -112,29 +113,40 @@ class PatchGrid:
         rows = [torch.cat(patches[r * self.cols:(r + 1) * self.cols], dim=-1) for r in range(self.rows)]
         return torch.cat(rows, dim=-2)
 
-    def shapes_like(self, x: torch.Tensor, index: int) -> list[torch.Size]:
-        """Every patch's shape at x's resolution, x being patch `index` (the scale is read from x)."""
+    def scale(self, x: torch.Tensor, index: int) -> int:
+        """How many times x, patch `index` at some layer, is upsampled from its latents."""
         h, w = self.extent(index)
         s = x.shape[-2] // h
         if s * h != x.shape[-2] or s * w != x.shape[-1]:
             raise ValueError(f"patch {index} of {h} x {w} latents has spatial size {tuple(x.shape[-2:])}: "
                              "not an integer upsampling")
+        return s
+
+    def shapes_like(self, x: torch.Tensor, index: int) -> list[torch.Size]:
+        """Every patch's shape at x's resolution, x being patch `index`."""
+        s = self.scale(x, index)
         return [torch.Size((*x.shape[:-2], eh * s, ew * s)) for eh, ew in map(self.extent, range(self.size))]
 
+    def region_like(self, x: torch.Tensor, index: int) -> tuple[slice, slice]:
+        """Patch `index`'s rows and cols in the whole frame at x's resolution, x being that patch."""
+        s, (rows, cols) = self.scale(x, index), self.region(index)
+        return slice(rows.start * s, rows.stop * s), slice(cols.start * s, cols.stop * s)
 
-class PatchComm:
+
+class PatchComm(abc.ABC):
     """What one patch needs from the others. Every patch calls the same methods in the same order."""
 
     grid: PatchGrid
     index: int
 
-    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Size]) -> dict[int, torch.Tensor]:
-        """Send sends[j] to patch j; receive a tensor of shape recvs[j] from patch j."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Size],
+                 like: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Send sends[j] to patch j; receive a tensor of shape recvs[j] (like's dtype and device) from patch j."""
 
+    @abc.abstractmethod
     def all_gather(self, x: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
         """Every patch's x (patch j's has shape shapes[j]), in index order."""
-        raise NotImplementedError
 
     def gather_apply(self, x: torch.Tensor, whole: Callable[[torch.Tensor], torch.Tensor],
                      part: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -154,9 +166,8 @@ class DistPatchComm(PatchComm):
     def _peer(self, j: int) -> int:
         return j if self.group is None else dist.get_global_rank(self.group, j)
 
-    def exchange(self, sends, recvs):
-        out = {j: torch.empty(shape, dtype=next(iter(sends.values())).dtype if sends else torch.float32)
-               for j, shape in recvs.items()}
+    def exchange(self, sends, recvs, like):
+        out = {j: like.new_empty(shape) for j, shape in recvs.items()}
         ops = [dist.P2POp(dist.isend, t.contiguous(), self._peer(j), self.group) for j, t in sends.items()]
         ops += [dist.P2POp(dist.irecv, out[j], self._peer(j), self.group) for j in recvs]
         if ops:
@@ -216,11 +227,13 @@ def _edges(comm: PatchComm, dim: int, first: torch.Tensor, last: torch.Tensor, b
         sends, recvs = {}, {}
         for j, send, size in ((prev, first.narrow(dim, 0, after), before),
                               (nxt, last.narrow(dim, n - before, before), after)):
+            if j is not None and send.shape[dim]:
+                sends[j] = send
             if j is not None and size:
                 shape = list(first.shape)
                 shape[dim] = size
-                sends[j], recvs[j] = send, torch.Size(shape)
-        got = comm.exchange(sends, recvs)
+                recvs[j] = torch.Size(shape)
+        got = comm.exchange(sends, recvs, like=first)
     else:
         got = {}
     head = got[prev] if prev is not None and before else _border(first.narrow(dim, 0, 1), dim, before, mode)
@@ -259,8 +272,8 @@ def _group_norm_forward(module: nn.GroupNorm, original: Callable, x: torch.Tenso
     xs = x.reshape(B, G, -1)  # [B, G, C/G * positions of this patch]
     var, mean = torch.var_mean(xs.float(), dim=-1, correction=0)  # [B, G] each
     n = torch.full_like(mean, xs.shape[-1])
-    local = torch.stack([n, mean, var * n], dim=-1).double()  # [B, G, 3]: count, mean, M2
-    stats = torch.stack(comm.all_gather(local, [local.shape] * comm.grid.size))  # [P, B, G, 3]
+    local = torch.stack([n, mean, var * n], dim=-1)  # [B, G, 3]: count, mean, M2 (fp32: every backend gathers it)
+    stats = torch.stack(comm.all_gather(local, [local.shape] * comm.grid.size)).double()  # [P, B, G, 3]
     counts, means, m2 = stats.unbind(-1)  # [P, B, G] each
     total = counts.sum(0)  # [B, G]
     mean = (counts * means).sum(0) / total
@@ -278,10 +291,7 @@ def _global_forward(module: nn.Module, original: Callable, x: torch.Tensor) -> t
     comm = _active()
     if comm is None:
         return original(x)
-
-    s = x.shape[-2] // comm.grid.extent(comm.index)[0]
-    rows, cols = comm.grid.region(comm.index)
-    rows, cols = slice(rows.start * s, rows.stop * s), slice(cols.start * s, cols.stop * s)  # at x's resolution
+    rows, cols = comm.grid.region_like(x, comm.index)  # this patch in the whole frame at x's resolution
 
     def unpatched(fn: Callable, *args) -> torch.Tensor:
         _state.suspended = True

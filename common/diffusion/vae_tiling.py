@@ -119,7 +119,7 @@ class LocalPatchComm(PatchComm):
                 del self.hub.mailbox[(key, *k)]
         return got
 
-    def exchange(self, sends, recvs):
+    def exchange(self, sends, recvs, like):
         got = self._round({(self.index, j): t for j, t in sends.items()}, [(j, self.index) for j in recvs])
         return {j: got[(j, self.index)] for j in recvs}
 
@@ -130,9 +130,8 @@ class LocalPatchComm(PatchComm):
     def gather_apply(self, x, whole, part):
         parts = self.all_gather(x, [])
         out = whole(self.grid.assemble(parts)) if self.index == 0 else None  # once for all patches
-        rows, cols = self.grid.region(self.index)
-        s = x.shape[-2] // (rows.stop - rows.start)
-        return self.all_gather(out, [])[0][..., rows.start * s:rows.stop * s, cols.start * s:cols.stop * s]
+        rows, cols = self.grid.region_like(x, self.index)
+        return self.all_gather(out, [])[0][..., rows, cols]
 
 
 def exact_tiled_decode(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor,
@@ -149,6 +148,8 @@ def exact_tiled_decode(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tens
     errors: list[BaseException] = []
 
     def work(i: int) -> None:
+        if z.device.type != "cpu":  # a new thread starts on device 0: bind it to the latents' device
+            getattr(torch, z.device.type).set_device(z.device)
         hub.turn.acquire()
         try:
             outputs[i] = run_patch(fn, patches[i].contiguous(), LocalPatchComm(hub, grid, i))

@@ -186,3 +186,25 @@ def test_tiled_peak_memory_is_lower(tiny_vae):
         exact_tiled_decode(tiny_vae, decode, z, (Attention,), tile=tile)
         peaks[tile] = shared["peak"]
     assert peaks[4] < 0.75 * peaks[8], peaks
+
+
+class _OneSidedConv(nn.Module):
+    """A padded conv in the CausalConv3d convention with uneven halos: (w, w, h, h, t, t) = (1, 0, 2, 0, 1, 0)."""
+
+    def __init__(self, channels, pad_mode):
+        super().__init__()
+        self.pad_mode, self.time_causal_padding = pad_mode, (1, 0, 2, 0, 1, 0)
+        self.conv = nn.Conv3d(channels, channels, (2, 3, 2))
+
+    def forward(self, x):
+        return self.conv(nn.functional.pad(x, self.time_causal_padding, mode=self.pad_mode))
+
+
+@pytest.mark.parametrize("pad_mode", ["replicate", "constant"])
+def test_uneven_halos_and_zero_padding(pad_mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(_OneSidedConv(4, pad_mode), nn.GroupNorm(2, 4), nn.SiLU(), _OneSidedConv(4, pad_mode))
+    z = torch.randn(1, 4, 3, 5, 7)
+    with torch.no_grad():
+        want = model(z)
+    torch.testing.assert_close(exact_tiled_decode(model, model, z, (), tile=3), want, rtol=0, atol=1e-5)
