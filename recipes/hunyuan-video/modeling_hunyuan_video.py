@@ -89,12 +89,21 @@ class AttentionContext:
         """x [B, n, H, D] -> RoPE'd, same shape."""
         return ops.rotary_emb(x.flatten(0, 1), self.cos, self.sin, interleaved=True).view_as(x)
 
-    def attend(self, img_q, img_k, img_v, txt_q, txt_k, txt_v) -> tuple[torch.Tensor, torch.Tensor]:
-        """Joint attention; img [B, n, H, D] (RoPE applied here), txt [B, L, H, D] -> ([B, n, H*D], [B, L, H*D])."""
+    def attend(self, q, k, v, n: int) -> torch.Tensor:
+        """Joint attention over [video; text]: q / k / v [B, n + L, H, D], the first n rows this rank's video
+        tokens (RoPE applied here) -> [B, n + L, H*D]."""
+        if self.sp_group is None or group_size(self.sp_group) == 1:
+            q, k = q.clone(), k.clone()  # [B, n + L, H, D]; RoPE in place on the video rows, text rows as they are
+            q[:, :n], k[:, :n] = self.rope(q[:, :n]), self.rope(k[:, :n])
+            mask = None  # one rank: no video padding
+            if self.txt_mask is not None:
+                mask = torch.cat([self.txt_mask.new_ones(q.shape[0], n), self.txt_mask], dim=1)  # [B, n + L]
+            return masked_attention(q, k, v, self.scale, q_mask=mask, k_mask=mask).flatten(2)
         fn = ring_attention if self.sp_mode == "ring" else ulysses_attention
-        img, txt = fn(self.rope(img_q), self.rope(img_k), img_v, self.sp_group, self.scale, joint_q=txt_q,
-                      joint_k=txt_k, joint_v=txt_v, joint_mask=self.txt_mask, seq_len=self.seq_len)
-        return img.flatten(2), txt.flatten(2)
+        img, txt = fn(self.rope(q[:, :n]), self.rope(k[:, :n]), v[:, :n], self.sp_group, self.scale,
+                      joint_q=q[:, n:], joint_k=k[:, n:], joint_v=v[:, n:], joint_mask=self.txt_mask,
+                      seq_len=self.seq_len)  # [B, n, H, D], [B, L, H, D]
+        return torch.cat([img, txt], dim=1).flatten(2)
 
 
 class RMSNorm(nn.Module):
@@ -247,9 +256,11 @@ class MMDoubleStreamBlock(nn.Module):
 
     def forward(self, img, txt, vec, ctx: AttentionContext):
         img_mod, txt_mod = self.img_mod(vec), self.txt_mod(vec)  # 6 x [B, C]: shift, scale, gate (attn, mlp)
-        img_q, img_k, img_v = self._qkv("img", img, *img_mod[:2])
-        txt_q, txt_k, txt_v = self._qkv("txt", txt, *txt_mod[:2])
-        img_attn, txt_attn = ctx.attend(img_q, img_k, img_v, txt_q, txt_k, txt_v)  # [B, n, C], [B, L, C]
+        n = img.shape[1]
+        q, k, v = (torch.cat(pair, dim=1) for pair in zip(self._qkv("img", img, *img_mod[:2]),
+                                                          self._qkv("txt", txt, *txt_mod[:2])))  # [B, n + L, H, D]
+        attn = ctx.attend(q, k, v, n)  # [B, n + L, C]
+        img_attn, txt_attn = attn[:, :n], attn[:, n:]
         img = torch.addcmul(img, self.img_attn_proj(img_attn), img_mod[2][:, None])
         img = torch.addcmul(img, self.img_mlp(modulate(layer_norm(img), *img_mod[3:5])), img_mod[5][:, None])
         txt = torch.addcmul(txt, self.txt_attn_proj(txt_attn), txt_mod[2][:, None])
@@ -268,17 +279,14 @@ class MMSingleStreamBlock(nn.Module):
         self.q_norm, self.k_norm = qk_norm(cfg), qk_norm(cfg)
         self.modulation = ModulateDiT(C, 3)
 
-    def forward(self, img, txt, vec, ctx: AttentionContext):
-        n = img.shape[1]
+    def forward(self, x, n: int, vec, ctx: AttentionContext):
+        """x [B, n + L, C] = [video rows; text rows] -> the same."""
         shift, scale, gate = self.modulation(vec)
-        x = torch.cat([img, txt], dim=1)  # [B, n + L, C]
         qkv, mlp = self.linear1(modulate(layer_norm(x), shift, scale)).split([3 * x.shape[-1], self.mlp_dim], -1)
         q, k, v = qkv.unflatten(-1, (3, self.heads, -1)).unbind(2)  # [B, n + L, H, D]
-        q, k = self.q_norm(q), self.k_norm(k)
-        img_attn, txt_attn = ctx.attend(q[:, :n], k[:, :n], v[:, :n], q[:, n:], k[:, n:], v[:, n:])
-        attn = torch.cat([img_attn, txt_attn], dim=1)  # [B, n + L, C]
-        x = torch.addcmul(x, self.linear2(torch.cat([attn, F.gelu(mlp, approximate="tanh")], dim=-1)), gate[:, None])
-        return x[:, :n], x[:, n:]
+        attn = ctx.attend(self.q_norm(q), self.k_norm(k), v, n)  # [B, n + L, C]
+        return torch.addcmul(x, self.linear2(torch.cat([attn, F.gelu(mlp, approximate="tanh")], dim=-1)),
+                             gate[:, None])
 
 
 class FinalLayer(nn.Module):
@@ -299,7 +307,12 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=cfg.patch_size, stride=cfg.patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)  # [B, C, t, h, w] -> [B, t*h*w, C]
+        """[B, Cin, T, H, W] -> [B, t*h*w, C]: the strided Conv3d as one GEMM over the patches (CPU convolution
+        kernels are slow on this shape; same math)."""
+        (B, Cin, T, H, W), (pt, ph, pw) = x.shape, self.proj.kernel_size
+        patches = x.view(B, Cin, T // pt, pt, H // ph, ph, W // pw, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+        patches = patches.reshape(B, -1, Cin * pt * ph * pw)  # [B, N, Cin*pt*ph*pw], the weight's flatten order
+        return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
 
 
 class HunyuanVideoTransformer3D(nn.Module):
@@ -354,9 +367,14 @@ class HunyuanVideoTransformer3D(nn.Module):
         vec = self.time_in(timestep) + self.vector_in(pooled_projections.to(dtype))  # [B, C]
         if self.guidance_in is not None:
             vec = vec + self.guidance_in(guidance.expand(B) if guidance.numel() == 1 else guidance)
-        mask = None if encoder_attention_mask is None or bool(encoder_attention_mask.all()) \
-            else encoder_attention_mask.bool()
-        txt = self.txt_in(encoder_hidden_states.to(dtype), timestep, mask)  # [B, L, C]
+        mask = None
+        if encoder_attention_mask is not None:  # drop the padding after every row's last real token: never attended
+            mask = encoder_attention_mask.bool()
+            positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+            keep = int((mask * positions).max())
+            encoder_hidden_states, mask = encoder_hidden_states[:, :keep], mask[:, :keep]  # [B, L', Ct], [B, L']
+            mask = None if bool(mask.all()) else mask
+        txt = self.txt_in(encoder_hidden_states.to(dtype), timestep, mask)  # [B, L', C]
         img = self.img_in(hidden_states.to(dtype))  # [B, N, C]
 
         N, P, r = img.shape[1], group_size(sp_group), group_rank(sp_group)
@@ -380,9 +398,12 @@ class HunyuanVideoTransformer3D(nn.Module):
         def tail(state):
             for block in rest:
                 state = block(*state, vec, ctx)
+            if not self.single_blocks:
+                return state
+            n, x = state[0].shape[1], torch.cat(state, dim=1)  # [B, n + L, C]: one stream
             for block in self.single_blocks:
-                state = block(*state, vec, ctx)
-            return state
+                x = block(x, n, vec, ctx)
+            return x[:, :n], x[:, n:]
 
         if step_cache is None:
             img, txt = tail(head((img, txt)))
