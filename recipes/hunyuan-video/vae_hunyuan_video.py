@@ -289,12 +289,16 @@ def diffusers_config(cfg: VAEConfig) -> dict:
 
 def load_vae(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
              ) -> AutoencoderKLCausal3D:
-    """The decoder from a publisher-named VAE folder (config.json + safetensors)."""
+    """The decoder from a publisher-named VAE folder (config.json + safetensors), built without an init pass
+    straight on `device` (load_weights fills every tensor or raises)."""
     ckpt = Checkpoint(path)
-    model = AutoencoderKLCausal3D(VAEConfig.from_dict(ckpt.config)).to(dtype)
+    cfg = VAEConfig.from_dict(ckpt.config)
+    with torch.device("meta"):
+        model = AutoencoderKLCausal3D(cfg)
+    model = model.to_empty(device=device).to(dtype)
     load_weights(model, ckpt, rename=_publisher_name)
     ckpt.close()
-    return model.to(device).eval()
+    return model.eval()
 
 
 TINY_CONFIG = VAEConfig(block_out_channels=(8, 16, 16), layers_per_block=1, norm_num_groups=4, sample_size=64,
