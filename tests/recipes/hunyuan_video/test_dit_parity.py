@@ -76,6 +76,19 @@ def test_text_padding_does_not_change_the_output(models):
 
 
 @torch.no_grad()
+def test_a_masked_token_in_the_middle_is_left_out(models):
+    """Varlen attention takes any mask, not only right padding: a hole equals the prompt without that token."""
+    cfg, ours, _ = models
+    x = {k: v[:1] for k, v in inputs(cfg).items()}
+    holed = dict(x, encoder_attention_mask=x["encoder_attention_mask"].clone())
+    holed["encoder_attention_mask"][0, 2] = 0
+    keep = [i for i in range(x["encoder_hidden_states"].shape[1]) if i != 2]
+    without = dict(x, encoder_hidden_states=x["encoder_hidden_states"][:, keep],
+                   encoder_attention_mask=x["encoder_attention_mask"][:, keep])
+    torch.testing.assert_close(ours(**holed), ours(**without), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
 def test_guidance_and_timestep_change_the_output(models):
     cfg, ours, _ = models
     x = inputs(cfg)
