@@ -148,10 +148,10 @@ def exact_tiled_decode(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tens
     errors: list[BaseException] = []
 
     def work(i: int) -> None:
-        if z.device.type != "cpu":  # a new thread starts on device 0: bind it to the latents' device
-            getattr(torch, z.device.type).set_device(z.device)
         hub.turn.acquire()
         try:
+            if z.device.type != "cpu":  # a new thread starts on device 0: bind it to the latents' device
+                getattr(torch, z.device.type).set_device(z.device)
             outputs[i] = run_patch(fn, patches[i].contiguous(), LocalPatchComm(hub, grid, i))
         except BaseException as e:  # wake the others: their next wait raises BrokenBarrierError
             errors.append(e)
