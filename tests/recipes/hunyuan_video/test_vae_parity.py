@@ -34,6 +34,33 @@ def test_decode_matches_diffusers(tiny, shape):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_released_layout_matches_diffusers(tmp_path):
+    """The released VAE's block layout (4 up blocks: spatial-only first, then two 2x2x2, then none) at tiny widths."""
+    cfg = VAEConfig(block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4)
+    assert cfg.upsample_factors() == VAEConfig().upsample_factors() == [(1, 2, 2), (2, 2, 2), (2, 2, 2), None]
+    path = write_tiny_vae(tmp_path / "vae", seed=3, cfg=cfg)
+    ref = AutoencoderKLHunyuanVideo(**diffusers_config(cfg)).eval()
+    ref.load_state_dict(load_file(path / "model.safetensors"), strict=True)
+    ref.use_framewise_decoding = False
+    z = torch.randn(1, 16, 2, 3, 2, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, want = load_vae(path).decode(z), ref.decode(z).sample
+    assert got.shape == (1, 3, 5, 24, 16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_released_config_parses_to_the_defaults():
+    """hunyuan-video-t2v-720p/vae/config.json as the publisher ships it."""
+    released = {
+        "_class_name": "AutoencoderKLCausal3D", "_diffusers_version": "0.4.2", "act_fn": "silu",
+        "block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlockCausal3D"] * 4,
+        "in_channels": 3, "latent_channels": 16, "layers_per_block": 2, "norm_num_groups": 32, "out_channels": 3,
+        "sample_size": 256, "sample_tsize": 64, "up_block_types": ["UpDecoderBlockCausal3D"] * 4,
+        "scaling_factor": 0.476986, "time_compression_ratio": 4, "mid_block_add_attention": True,
+    }
+    assert VAEConfig.from_dict(released) == VAEConfig()
+
+
 def test_publisher_prefix_and_encoder_tensors_are_skipped(tiny, tmp_path):
     """A state dict saved from the publisher's wrapper carries a `vae.` prefix; the encoder halves load nowhere."""
     path, ours, _ = tiny
