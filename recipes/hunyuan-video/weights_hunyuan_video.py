@@ -112,9 +112,11 @@ _SINGLE = {"linear2": "proj_out", "q_norm": "attn.norm_q", "k_norm": "attn.norm_
 _QKV = {"self_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
-_BLOCK = re.compile(r"^(txt_in\.individual_token_refiner\.blocks|double_blocks|single_blocks)\.(\d+)\.(.+)\.(weight|bias)$")
+_BLOCK = re.compile(
+    r"^(txt_in\.individual_token_refiner\.blocks|double_blocks|single_blocks)\.(\d+)\.(.+)\.(weight|bias)$")
 _BLOCK_PREFIX = {"txt_in.individual_token_refiner.blocks": ("context_embedder.token_refiner.refiner_blocks", _REFINER),
-                 "double_blocks": ("transformer_blocks", _DOUBLE), "single_blocks": ("single_transformer_blocks", _SINGLE)}
+                 "double_blocks": ("transformer_blocks", _DOUBLE),
+                 "single_blocks": ("single_transformer_blocks", _SINGLE)}
 
 
 def publisher_to_diffusers(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -115,7 +115,8 @@ def test_publisher_names():
                  "guidance_in.mlp.0.weight", "txt_in.input_embedder.weight", "txt_in.t_embedder.mlp.0.weight",
                  "txt_in.c_embedder.linear_1.weight", "txt_in.individual_token_refiner.blocks.1.self_attn_qkv.weight",
                  "txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.weight",
-                 "txt_in.individual_token_refiner.blocks.0.norm1.bias", "txt_in.individual_token_refiner.blocks.0.mlp.fc2.bias",
+                 "txt_in.individual_token_refiner.blocks.0.norm1.bias",
+                 "txt_in.individual_token_refiner.blocks.0.mlp.fc2.bias",
                  "double_blocks.1.img_mod.linear.weight", "double_blocks.0.img_attn_qkv.bias",
                  "double_blocks.0.img_attn_q_norm.weight", "double_blocks.0.txt_attn_k_norm.weight",
                  "double_blocks.0.img_attn_proj.weight", "double_blocks.0.txt_mlp.fc1.weight",
@@ -157,7 +158,8 @@ def test_publisher_config_fields(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(data))
     cfg = HunyuanVideoConfig.from_json(tmp_path / "config.json")
     assert (cfg.hidden_size, cfg.heads_num, cfg.head_dim, cfg.mm_double_blocks_depth, cfg.mm_single_blocks_depth,
-            cfg.rope_dim_list, cfg.patch_size, cfg.guidance_embed) == (3072, 24, 128, 20, 40, (16, 56, 56), (1, 2, 2), True)
+            cfg.rope_dim_list, cfg.patch_size, cfg.guidance_embed) == (3072, 24, 128, 20, 40, (16, 56, 56), (1, 2, 2),
+                                                                       True)
 
 
 @torch.no_grad()

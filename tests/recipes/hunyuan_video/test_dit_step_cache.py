@@ -24,7 +24,8 @@ def step_inputs(cfg, seed=0):
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
     return dict(hidden_states=torch.randn(2, cfg.in_channels, 2, 4, 4, generator=g), timestep=torch.tensor([800.0] * 2),
                 encoder_hidden_states=torch.randn(2, 5, cfg.text_states_dim, generator=g), encoder_attention_mask=mask,
-                pooled_projections=torch.randn(2, cfg.text_states_dim_2, generator=g), guidance=torch.tensor([6000.0] * 2))
+                pooled_projections=torch.randn(2, cfg.text_states_dim_2, generator=g),
+                guidance=torch.tensor([6000.0] * 2))
 
 
 class Recording:
