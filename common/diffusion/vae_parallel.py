@@ -342,6 +342,8 @@ def patch_ops(model: nn.Module, global_modules: tuple[type, ...]) -> Iterator[No
     """Swap the forwards of model's padded convs, GroupNorms and global modules for their patch versions (they
     act only while run_patch() is active in the calling thread); restored on exit."""
     _check(model, global_modules)
+    if any("forward" in vars(m) for m in model.modules()):
+        raise RuntimeError("patch_ops: the model's forwards are already swapped (nested patch_ops on one model)")
     swapped = []
     for m in model.modules():
         if isinstance(m, global_modules):
