@@ -87,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.text_encoder = preset.get("text_encoder") or {}
     a.vae_tiling = a.vae_tiling or bool(preset.get("vae_tiling", False))
     a.dtype = DTYPES[a.dtype or preset.get("dtype", "bf16")]
+    if preset.get("vae_dtype", "fp32") not in DTYPES:
+        p.error(f"--config {a.config.name}: vae_dtype {preset['vae_dtype']!r}, expected one of {sorted(DTYPES)}")
+    a.vae_dtype = DTYPES[preset.get("vae_dtype", "fp32")]
     return a
 
 
@@ -112,6 +115,7 @@ def main(argv=None) -> int:
             raise CheckpointError(f"{root}: no {MODEL_DIR}/transformers folder (expected the publisher's ckpts/ layout)")
         start = time.perf_counter()
         pipe = HunyuanVideoPipeline.from_pretrained(root, a.dtype, backend.device(), parallel,
+                                                    vae_dtype=a.vae_dtype,
                                                     text_config=TextEncoderConfig(**a.text_encoder), sp_mode=a.sp_mode,
                                                     vae_tiling=a.vae_tiling)
         load_s = time.perf_counter() - start

@@ -66,3 +66,13 @@ def test_sequence_parallel_run_matches_one_rank(tmp_path):
     a, b = frames(one), frames(two)
     assert a.shape == b.shape == (5, 32, 32, 3)
     assert np.abs(a - b).max() <= 1  # the same pixels, up to a rounding step of the 8-bit conversion
+
+
+@pytest.mark.parametrize("preset, ranks", [("tiny-cpu.yaml", 1), ("atlas-a3-720p.yaml", 8),
+                                           ("atlas-a3-720p-teacache.yaml", 8)])
+def test_presets_parse_and_say_their_rank_count(preset, ranks, capsys):
+    import generate_hunyuan_video
+
+    with pytest.raises(SystemExit) as stop:
+        generate_hunyuan_video.parse_args(["--config", str(RUN_SH.parent / "configs" / preset), "--world-size"])
+    assert stop.value.code == 0 and capsys.readouterr().out.strip() == str(ranks)
