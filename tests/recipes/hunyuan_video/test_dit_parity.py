@@ -126,6 +126,19 @@ def test_publisher_names():
         assert name in names, name
 
 
+def test_full_size_names_and_shapes_match_diffusers():
+    """HYVideo-T/2-cfgdistill on the meta device: 12.8B parameters, and the conversion gives exactly diffusers'
+    state dict names and shapes (the single blocks' linear1 split at hidden 3072)."""
+    cfg = HunyuanVideoConfig()
+    with torch.device("meta"):
+        ours = HunyuanVideoTransformer3D(cfg)
+        reference = HunyuanVideoTransformer3DModel(**diffusers_config(cfg))
+    assert 12.7e9 < sum(p.numel() for p in ours.parameters()) < 12.9e9
+    converted, want = publisher_to_diffusers(ours.state_dict()), reference.state_dict()
+    assert converted.keys() == want.keys()
+    assert all(converted[k].shape == want[k].shape for k in want)
+
+
 def _edit_checkpoint(path, edit):
     tensors = load_file(path / "model.safetensors")
     edit(tensors)
