@@ -355,7 +355,7 @@ class HunyuanVideoTransformer3D(nn.Module):
                 guidance: torch.Tensor | None = None, *, step: int = 0, step_cache: StepCache | None = None,
                 sp_group: dist.ProcessGroup | None = None, sp_mode: str = "ulysses") -> torch.Tensor:
         """hidden_states [B, C, T, H, W], timestep [B] (0..1000), encoder_hidden_states [B, L, Ct],
-        encoder_attention_mask [B, L] (1 = real token, right padding), pooled_projections [B, Cp],
+        encoder_attention_mask [B, L] (1 = real token; any pattern, usually right padding), pooled_projections [B, Cp],
         guidance [B] (embedded guidance scale x 1000) -> velocity [B, C_out, T, H, W]."""
         self._check(hidden_states, encoder_hidden_states, encoder_attention_mask, pooled_projections, guidance,
                     sp_mode)
