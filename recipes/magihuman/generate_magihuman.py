@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     size = a.size or ((64, 64) if tiny else (448, 256))
     out = a.out or OUTPUTS / f"{a.mode}-{a.seed}.mp4"
     quiet_libraries()
+    cpu_settings()
     from common import backend
     from common.diffusion.media import write_mp4
     from common.loader import CheckpointError
@@ -127,6 +128,13 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)  # diffusers' Oobleck
     hf_logging.disable_progress_bar()
     diffusers_logging.disable_progress_bar()
+
+
+def cpu_settings() -> None:
+    """CPU path: flush denormal floats to zero (random-weight DiT steps measured 2x faster with it here)."""
+    import torch
+
+    torch.set_flush_denormal(True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ compute device is the CPU itself the model is released instead (weights freed) a
 """
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -22,7 +21,7 @@ class StageModels:
     def __init__(self, loaders: dict[str, Callable[[torch.device], nn.Module]], device: torch.device, offload: bool):
         self.loaders, self.device, self.offload = loaders, torch.device(device), offload
         self.models: dict[str, nn.Module | None] = dict.fromkeys(loaders)
-        self.load_seconds = 0.0
+        self.load_seconds = 0.0  # loads, moves and frees of models, summed
         self.history: list[tuple[str, list[str]]] = []  # (stage, models resident on the device while it ran)
 
     def _on_device(self, name: str) -> bool:
@@ -48,12 +47,14 @@ class StageModels:
     def _park(self, name: str) -> None:
         if not self._on_device(name):
             return
+        start = time.perf_counter()
         if self.device.type == "cpu":
-            self.models[name] = None  # no slower memory to park in: free it, reload from files on the next use
-            gc.collect()
+            self.models[name] = None  # no slower memory to park in: free it (refcount), reload from files next time
         else:
             self.models[name].to("cpu")
         backend.empty_cache()
+        backend.synchronize()
+        self.load_seconds += time.perf_counter() - start
 
     def load_all(self, names) -> None:
         for name in names:

@@ -221,7 +221,7 @@ class MagiHumanPipeline:
         lap("vae_decode")
         wave = self.decode_audio(audio)
         lap("audio_decode")
-        timings["load"] = self.models.load_seconds  # model loads / moves, included in the stage times above
+        timings["load"] = self.models.load_seconds  # model loads / moves / frees, included in the stage times above
         return Generation(pixels, wave, video, audio, timings)
 
 
