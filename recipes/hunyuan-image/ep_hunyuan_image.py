@@ -44,7 +44,7 @@ def ep_moe(moe, x: torch.Tensor, group) -> torch.Tensor:
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
     received = all_to_all_v(expanded, send, recv, group)  # [M, H] by source rank, then local expert
-    local_expert = torch.repeat_interleave(torch.arange(E_local).repeat(P), recv_counts.flatten())  # [M]
+    local_expert = torch.repeat_interleave(torch.arange(E_local, device=x.device).repeat(P), recv_counts.flatten())
     order = torch.sort(local_expert, stable=True).indices  # re-routing: group the rows by local expert
     y_sorted = moe.experts(received[order], recv_counts.sum(0))  # [M, H]
     y = torch.empty_like(y_sorted)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from common import parallel
+from common import backend, parallel
 from common.loader import CheckpointError
 from common.diffusion.media import write_png
 from pipeline_hunyuan_image import HunyuanImage3Pipeline, parse_image_size
@@ -93,11 +93,12 @@ def main(argv=None) -> int:
     par = parallel.init_parallel(a.layout)
     try:
         try:
-            model = load_model(path, DTYPES[a.dtype], par.group("tp"), par.group("ep"))
+            model = load_model(path, DTYPES[a.dtype], par.group("tp"), par.group("ep"), device=backend.device(par.local_rank))
             tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
             special = special_token_ids(tokenizer)
         except (CheckpointError, ValueError, OSError) as e:
             fail(str(e))
+        backend.synchronize()
         load_s = time.perf_counter() - t0
         pipe = HunyuanImage3Pipeline(model, tokenizer, special, cfg_group=par.group("cfg"))
         result = pipe(a.prompt, a.size, a.infer_steps, a.guidance, a.seed, kv_reuse=not a.no_kv_reuse,

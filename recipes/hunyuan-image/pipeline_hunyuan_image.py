@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from common.kv_cache import BlockPool
 from common.parallel import all_gather, group_rank, group_size
-from modeling_hunyuan_image import HunyuanImage3
+from modeling_hunyuan_image import AttentionGroup, ForwardMetadata, HunyuanImage3
 from scheduler_hunyuan_image import make_scheduler
 from sequence_hunyuan_image import (
     ImageSequence,
@@ -46,9 +46,10 @@ class PagedKVCache:
         pool = BlockPool(num_seqs * per_seq + 1, enable_prefix_caching=False)
         self.block_size = block_size
         self.block_tables = torch.tensor([pool.allocate(per_seq) for _ in range(num_seqs)], dtype=torch.int32)
-        dtype = model.model.wte.weight.dtype
+        weight = model.model.wte.weight
+        self.block_tables = self.block_tables.to(weight.device)
         shape = (pool.num_blocks, block_size, attn.kv_heads, attn.head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.model.layers]
+        self.layers = [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in model.model.layers]
 
 
 class ImageDenoiser:
@@ -60,15 +61,16 @@ class ImageDenoiser:
         self.cache = PagedKVCache(model, B, L, block_size)
         pos = rope_positions(L, seq.image_start, seq.h, seq.w)
         cos, sin = rope_cos_sin(pos, model.config.head_dim, model.config.rope_theta)  # [L, D]
-        bt = self.cache.block_tables
-        self.full = full_metadata(seq, bt, block_size, cos, sin)
-        self.reuse = reuse_metadata(seq, bt, block_size, cos, sin)
+        bt, dev = self.cache.block_tables.cpu(), model.model.wte.weight.device
+        self.full = to_device(full_metadata(seq, bt, block_size, cos, sin), dev)
+        self.reuse = to_device(reuse_metadata(seq, bt, block_size, cos, sin), dev)
         offsets = torch.arange(B)[:, None]
-        self.full_image_rows = offsets * L + torch.arange(seq.image_start, seq.image_end)  # [B, hw]
-        self.full_timestep_rows = offsets[:, 0] * L + seq.timestep_pos  # [B]
-        self.reuse_ids = seq.input_ids[:, reuse_positions(seq)].flatten()  # [B*(1+hw)]
-        self.reuse_image_rows = offsets * (1 + hw) + torch.arange(1, 1 + hw)
-        self.reuse_timestep_rows = offsets[:, 0] * (1 + hw)
+        self.full_ids = seq.input_ids.flatten().to(dev)  # [B*L]
+        self.full_image_rows = (offsets * L + torch.arange(seq.image_start, seq.image_end)).to(dev)  # [B, hw]
+        self.full_timestep_rows = (offsets[:, 0] * L + seq.timestep_pos).to(dev)  # [B]
+        self.reuse_ids = seq.input_ids[:, reuse_positions(seq)].flatten().to(dev)  # [B*(1+hw)]
+        self.reuse_image_rows = (offsets * (1 + hw) + torch.arange(1, 1 + hw)).to(dev)
+        self.reuse_timestep_rows = (offsets[:, 0] * (1 + hw)).to(dev)
         self.filled = False
 
     @torch.no_grad()
@@ -79,13 +81,20 @@ class ImageDenoiser:
             ids, meta = self.reuse_ids, self.reuse
             image_rows, timestep_rows = self.reuse_image_rows, self.reuse_timestep_rows
         else:
-            ids, meta = self.seq.input_ids.flatten(), self.full
+            ids, meta = self.full_ids, self.full
             image_rows, timestep_rows = self.full_image_rows, self.full_timestep_rows
         m = self.model
         embeds = m.image_embeds(ids, latents, t, image_rows, timestep_rows)  # [T, H]
         hidden = m.model(embeds, meta, self.cache.layers)  # [T, H], no ln_f in image mode
         self.filled = True
         return m.velocity(hidden[image_rows], t, self.seq.h, self.seq.w).float()  # [B, C, h, w]
+
+
+def to_device(meta: ForwardMetadata, device) -> ForwardMetadata:
+    """The step's metadata on the model's device (built on the host)."""
+    groups = [AttentionGroup(*(getattr(g, f).to(device) for f in ("rows", "block_tables", "seq_lens", "cu_seqlens_q")),
+                             g.causal) for g in meta.groups]
+    return ForwardMetadata(meta.cos.to(device), meta.sin.to(device), meta.slot_mapping.to(device), groups)
 
 
 @dataclass
@@ -122,8 +131,9 @@ class HunyuanImage3Pipeline:
         ids = ratio_prompt(self.tokenizer, self.special, prompt, system_prompt)  # [n]
         cache = PagedKVCache(self.model, 1, len(ids), self.block_size)
         cos, sin = rope_cos_sin(rope_positions(len(ids)), self.model.config.head_dim, self.model.config.rope_theta)
-        meta = text_metadata(len(ids), cache.block_tables, self.block_size, cos, sin)
-        hidden = self.model.model(self.model.model.wte(ids), meta, cache.layers)
+        dev = cache.block_tables.device
+        meta = to_device(text_metadata(len(ids), cache.block_tables.cpu(), self.block_size, cos, sin), dev)
+        hidden = self.model.model(self.model.model.wte(ids.to(dev)), meta, cache.layers)
         token = int(self.model.text_logits(hidden[-1:]).argmax(-1))
         return self.ratio_ids.index(token) if token in self.ratio_ids else DEFAULT_RATIO
 
@@ -158,11 +168,13 @@ class HunyuanImage3Pipeline:
         denoiser = ImageDenoiser(self.model, seq, self.block_size)
         C = self.model.config.vae.latent_channels
         latents = torch.randn(1, C, h, w, generator=torch.Generator().manual_seed(seed))  # same on every rank
+        latents = latents.to(self.model.model.wte.weight.device)
         scheduler = make_scheduler(num_inference_steps)
         timings["prepare_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         for t in tqdm(scheduler.timesteps, desc="denoise", disable=not progress, leave=False):
-            v = denoiser.velocity(latents.expand(B, -1, -1, -1), t.expand(B), reuse=kv_reuse)  # [B, C, h, w]
+            t_model = t.to(latents.device).expand(B)  # sigma * 1000 per row
+            v = denoiser.velocity(latents.expand(B, -1, -1, -1), t_model, reuse=kv_reuse)  # [B, C, h, w]
             if cfg:
                 cond, uncond = all_gather(v, self.cfg_group).chunk(2)  # [1, C, h, w] each
                 v = uncond + guidance_scale * (cond - uncond)
@@ -171,6 +183,6 @@ class HunyuanImage3Pipeline:
         image = None
         if decode:
             t0 = time.perf_counter()
-            image = self.model.vae.decode(latents)[0]
+            image = self.model.vae.decode(latents)[0].cpu()
             timings["decode_s"] = time.perf_counter() - t0
         return GenerationResult(image, latents, ratio_index, timings)

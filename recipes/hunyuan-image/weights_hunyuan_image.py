@@ -45,9 +45,9 @@ def make_rename(model: HunyuanImage3, with_vae: bool):
     return rename
 
 
-def load_model(path, dtype: torch.dtype = torch.float32, tp_group=None, ep_group=None,
-               with_vae: bool = True) -> HunyuanImage3:
-    """HunyuanImage3 from a checkpoint folder; the router stays fp32 and the VAE fp32 (it is small)."""
+def load_model(path, dtype: torch.dtype = torch.float32, tp_group=None, ep_group=None, with_vae: bool = True,
+               device: torch.device | str = "cpu") -> HunyuanImage3:
+    """HunyuanImage3 from a checkpoint folder onto `device`; the router stays fp32 and the VAE fp32 (it is small)."""
     ckpt = Checkpoint(Path(path))
     try:
         cfg = HunyuanImageConfig.from_config(ckpt.config)
@@ -55,7 +55,7 @@ def load_model(path, dtype: torch.dtype = torch.float32, tp_group=None, ep_group
         raise CheckpointError(f"{ckpt.path / 'config.json'}: {e}") from None
     with torch.device("meta"):  # no host memory until the tensors arrive
         model = HunyuanImage3(cfg, tp_group, ep_group, with_vae=with_vae)
-    model = model.to_empty(device="cpu").to(dtype)
+    model = model.to_empty(device=device).to(dtype)
     for layer in model.model.layers:
         layer.mlp.gate.float()  # the router is fp32, as published
     if model.vae is not None:
