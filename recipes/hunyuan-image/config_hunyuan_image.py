@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The special tokens of the text-to-image sequence (section 1 of the spec), by role.
+# The special tokens of the text-to-image sequence by role, as the publisher's HunyuanImage3TokenizerFast names
+# them (its ids: bos 127958, eos 127957, <boi> 128000, <eoi> 128001, <img> 128006, <cfg> 128010, <timestep> 128017,
+# <img_size_1024> 128037, <img_ratio_0..32> 128044-128076).
 SPECIAL_TOKENS = {
-    "bos": "<|startoftext|>", "eos": "<|endoftext|>", "pad": "<pad>", "boi": "<boi>", "eoi": "<eoi>", "img": "<img>",
+    "bos": "<|startoftext|>", "eos": "<|endoftext|>", "boi": "<boi>", "eoi": "<eoi>", "img": "<img>",
     "cfg": "<cfg>", "timestep": "<timestep>", "size": "<img_size_1024>",
     **{f"ratio_{k}": f"<img_ratio_{k}>" for k in range(33)},
 }
