@@ -113,8 +113,8 @@ def parse_image_size(text: str) -> str | tuple[int, int]:
     if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
         raise ValueError(f"image size {text!r}: expected 'auto', 'HxW' or 'N'")
     h, w = int(parts[0]), int(parts[-1])
-    if h <= 0 or w <= 0 or h % 16 or w % 16:
-        raise ValueError(f"image size {text!r}: height and width must be positive multiples of 16")
+    if h < 32 or w < 32 or h % 16 or w % 16:  # a 1x1 latent leaves GroupNorm one value per group
+        raise ValueError(f"image size {text!r}: height and width must be multiples of 16, at least 32")
     return h, w
 
 

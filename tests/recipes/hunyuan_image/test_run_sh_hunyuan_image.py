@@ -32,6 +32,7 @@ def test_default_run_writes_a_png(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (("--image-size", "65x64"), "multiples of 16"),
+    (("--image-size", "16"), "at least 32"),
     (("--image-size", "big"), "--image-size"),
     (("--infer-steps", "0"), "--infer-steps"),
     (("--weights", "/no/such/dir"), "/no/such/dir"),
