@@ -61,9 +61,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--cfg-parallel needs --guidance > 1 (there is no uncond branch otherwise)")
     if a.weights is not None and not (a.weights / "config.json").is_file():
         p.error(f"--weights {a.weights}: no config.json there")
+    a.cfg_axis = "cfg"
     try:
-        a.layout = parallel.ParallelLayout(dp=max(a.ep // a.tp, 1) if a.ep > 1 else 1, cfg=2 if a.cfg_parallel else 1,
-                                           tp=a.tp, ep=a.ep)
+        if a.cfg_parallel and a.ep > 1:  # upstream's layout: each CFG half runs TP N + EP N on its own N ranks
+            if a.ep != a.tp:
+                p.error(f"--cfg-parallel with --ep {a.ep} needs --tp {a.ep} (each CFG half on its own ranks)")
+            # common.parallel keeps ep groups to cfg = 1 layouts: the two halves are its dp axis instead
+            a.layout, a.cfg_axis = parallel.ParallelLayout(dp=2, tp=a.tp, ep=a.ep), "dp"
+        else:
+            a.layout = parallel.ParallelLayout(dp=max(a.ep // a.tp, 1) if a.ep > 1 else 1,
+                                               cfg=2 if a.cfg_parallel else 1, tp=a.tp, ep=a.ep)
     except ValueError as e:
         p.error(f"--cfg-parallel / --tp / --ep: {e}")
     return a
@@ -100,7 +107,7 @@ def main(argv=None) -> int:
             fail(str(e))
         backend.synchronize()
         load_s = time.perf_counter() - t0
-        pipe = HunyuanImage3Pipeline(model, tokenizer, special, cfg_group=par.group("cfg"))
+        pipe = HunyuanImage3Pipeline(model, tokenizer, special, cfg_group=par.group(a.cfg_axis))
         result = pipe(a.prompt, a.size, a.infer_steps, a.guidance, a.seed, kv_reuse=not a.no_kv_reuse,
                       progress=par.rank == 0, decode=par.rank == 0)
         if par.rank == 0:

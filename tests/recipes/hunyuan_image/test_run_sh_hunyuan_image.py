@@ -38,7 +38,7 @@ def test_default_run_writes_a_png(tmp_path):
     (("--weights", "/no/such/dir"), "/no/such/dir"),
     (("--cfg-parallel", "--guidance", "1"), "--cfg-parallel"),
     (("--ep", "2", "--tp", "4"), "ep=2"),
-    (("--cfg-parallel", "--ep", "2"), "ep=2"),
+    (("--cfg-parallel", "--ep", "2"), "needs --tp 2"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, needle, capsys):
     with pytest.raises(SystemExit) as e:  # in-process: the same main() run.sh executes
