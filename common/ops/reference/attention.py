@@ -46,6 +46,25 @@ def _attend(q, k, v, seqs, causal: bool, sliding_window: int | None, scale: floa
     return out, lse.permute(0, 2, 1, 3).reshape(B, Qm, Hq)[q_valid]
 
 
+def _attend_fused(q, k, v, seq, causal: bool, scale: float):
+    """One sequence through torch's fused CPU attention (flash-style, fp32 accumulation, returns the LSE).
+    -> out [Q, Hq, Dv] (q.dtype), lse [Q, Hq] fp32."""
+    (qs, qe), (ks, ke) = seq
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q[qs:qe], k[ks:ke], v[ks:ke]))  # [1, H, L, D]
+    if kh.shape[1] != qh.shape[1]:
+        kh, vh = (t.repeat_interleave(qh.shape[1] // kh.shape[1], dim=1) for t in (kh, vh))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, causal, scale=scale)[:2]
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)  # [Q, Hq, Dv], [Q, Hq]
+
+
+def _fused_ok(q, k, v, seq, causal: bool, sliding_window: int | None) -> bool:
+    """The fused CPU kernel applies: no window, same q / v head dims, and causal only when the query rows are the
+    whole sequence (its causal mask is top-left aligned, ours bottom-right)."""
+    (qs, qe), (ks, ke) = seq
+    return (q.device.type == "cpu" and sliding_window is None and q.shape[-1] == v.shape[-1]
+            and (not causal or qe - qs == ke - ks) and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
 def apply_attention_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """Add a per-head sink logit to the softmax denominator after the fact: out * sigmoid(lse - sink).
 
@@ -86,7 +105,13 @@ def attention(
     bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     seqs = [s for s in zip(zip(bq, bq[1:]), zip(bk, bk[1:])) if s[0][1] > s[0][0]]
     decodes = [s for s in seqs if s[0][1] - s[0][0] == 1]
-    batches = ([decodes] if decodes else []) + [[s] for s in seqs if s[0][1] - s[0][0] > 1]  # no padding blow-up
+    prefills = [s for s in seqs if s[0][1] - s[0][0] > 1]
+    fused = [s for s in prefills if _fused_ok(q, k, v, s, causal, sliding_window)]
+    for seq in fused:  # one sequence at a time, torch's fused kernel
+        (qs, qe), _ = seq
+        o, lse[qs:qe] = _attend_fused(q, k, v, seq, causal, scale)
+        out[qs:qe] = o.float()
+    batches = ([decodes] if decodes else []) + [[s] for s in prefills if s not in fused]  # no padding blow-up
     for batch in batches:
         rows = torch.cat([torch.arange(qs, qe, device=q.device) for (qs, qe), _ in batch])
         out[rows], lse[rows] = _attend(q, k, v, batch, causal, sliding_window, scale)
