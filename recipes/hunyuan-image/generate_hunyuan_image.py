@@ -1,6 +1,7 @@
 """Text-to-image from the command line; `bash run.sh` runs this. No arguments: the tiny random checkpoint (written
 once into weights/hunyuan-image-tiny/), a 64x64 image in a few steps, a PNG under outputs/hunyuan-image/.
 
+Presets (configs/*.yaml: dtype, image size, steps, guidance, cfg_parallel, tp, ep) set the defaults; flags win.
 --cfg-parallel / --tp N / --ep N ask for several ranks: outside torchrun the script relaunches itself under
 torchrun (`python -m torch.distributed.run`) with that many local processes (gloo on CPU, hccl on NPUs).
 """
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 from transformers import PreTrainedTokenizerFast
 
 from common import backend, parallel
@@ -34,21 +36,41 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+PRESET = {"dtype": str, "image_size": str, "infer_steps": int, "guidance": float, "cfg_parallel": bool, "tp": int,
+          "ep": int}  # what a configs/*.yaml preset may set; a flag on the command line wins over the preset
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(prog="run.sh", description="HunyuanImage-3.0 text-to-image")
+    p.add_argument("--config", type=Path, default=HERE / "configs" / "tiny-cpu.yaml", help="deployment preset")
     p.add_argument("--weights", type=Path, help="checkpoint folder (default: the tiny random checkpoint)")
     p.add_argument("--prompt", default="A brown and white dog is running on the grass")
-    p.add_argument("--image-size", default="64x64", help="'HxW' (multiples of 16), 'N' or 'auto' (model picks the ratio)")
-    p.add_argument("--infer-steps", type=int, default=4, help="denoising steps (the publisher's default is 50)")
-    p.add_argument("--guidance", type=float, default=5.0, help="CFG scale (<= 1: no CFG)")
+    p.add_argument("--image-size", help="'HxW' (multiples of 16, >= 32), 'N' or 'auto' (the model picks the ratio)")
+    p.add_argument("--infer-steps", type=int, help="denoising steps (the publisher's default is 50)")
+    p.add_argument("--guidance", type=float, help="CFG scale (<= 1: no CFG)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--cfg-parallel", action="store_true", help="cond and uncond on two ranks")
-    p.add_argument("--tp", type=int, default=1, help="attention tensor parallel size (divides the kv heads)")
-    p.add_argument("--ep", type=int, default=1, help="MoE expert parallel size (divides the experts)")
+    p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--cfg-parallel", action="store_true", default=None, help="cond and uncond on two rank halves")
+    p.add_argument("--tp", type=int, help="attention tensor parallel size (divides the kv heads)")
+    p.add_argument("--ep", type=int, help="MoE expert parallel size (divides the experts)")
     p.add_argument("--no-kv-reuse", action="store_true", help="recompute the full sequence every step")
     p.add_argument("--output", type=Path, default=ROOT / "outputs" / "hunyuan-image" / "image.png")
     a = p.parse_args(argv)
+    if not a.config.is_file():
+        p.error(f"--config {a.config}: no such file")
+    try:
+        preset = yaml.safe_load(a.config.read_text()) or {}
+    except yaml.YAMLError as e:
+        p.error(f"--config {a.config}: not valid YAML ({str(e).splitlines()[0]})")
+    if not isinstance(preset, dict) or set(preset) - set(PRESET):
+        p.error(f"--config {a.config}: expected a mapping of {sorted(PRESET)}")
+    for key, kind in PRESET.items():
+        if getattr(a, key) is None:
+            if key not in preset or not isinstance(preset[key], kind if kind is not float else (int, float)):
+                p.error(f"--config {a.config}: {key} missing or not a {kind.__name__}")
+            setattr(a, key, preset[key])
+    if a.dtype not in DTYPES:
+        p.error(f"--config {a.config}: dtype {a.dtype!r} is not one of {sorted(DTYPES)}")
     try:
         a.size = parse_image_size(a.image_size)
     except ValueError as e:

@@ -39,12 +39,29 @@ def test_default_run_writes_a_png(tmp_path):
     (("--cfg-parallel", "--guidance", "1"), "--cfg-parallel"),
     (("--ep", "2", "--tp", "4"), "ep=2"),
     (("--cfg-parallel", "--ep", "2"), "needs --tp 2"),
+    (("--config", "/no/such.yaml"), "/no/such.yaml"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, needle, capsys):
     with pytest.raises(SystemExit) as e:  # in-process: the same main() run.sh executes
         generate_hunyuan_image.main(list(args))
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_presets(tmp_path):
+    configs = RUN_SH.parent / "configs"
+    a3 = generate_hunyuan_image.parse_args(["--config", str(configs / "atlas-a3.yaml")])
+    assert (a3.layout.world_size, a3.cfg_axis, a3.tp, a3.ep, a3.dtype, a3.size, a3.infer_steps) == \
+        (16, "dp", 8, 8, "bf16", (1024, 1024), 50)
+    a2 = generate_hunyuan_image.parse_args(["--config", str(configs / "atlas-a2.yaml"), "--infer-steps", "3"])
+    assert (a2.layout.world_size, a2.cfg_parallel, a2.infer_steps) == (8, False, 3)  # the flag wins
+    tiny = generate_hunyuan_image.parse_args([])
+    assert (tiny.layout.world_size, tiny.size, tiny.infer_steps, tiny.dtype) == (1, (64, 64), 4, "fp32")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dtype: fp32\nsteps: 3\n")
+    with pytest.raises(SystemExit) as e:
+        generate_hunyuan_image.parse_args(["--config", str(bad)])
+    assert e.value.code == 2
 
 
 def test_bad_checkpoint_through_run_sh(tmp_path):
