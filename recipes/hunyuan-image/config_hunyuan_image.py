@@ -80,6 +80,8 @@ class HunyuanImageConfig:
                 value = config[name]
                 kwargs[name] = value[0] if isinstance(value, list) and name in ("moe_topk", "num_experts",
                                                                                 "moe_intermediate_size") else value
+        if "head_dim" not in config and "attention_head_dim" in config:  # the publisher's name for it
+            kwargs["head_dim"] = config["attention_head_dim"]
         if "num_shared_expert" in kwargs and isinstance(kwargs["num_shared_expert"], list):
             kwargs["num_shared_expert"] = kwargs["num_shared_expert"][0]
         vae = config.get("vae") or {}

@@ -172,3 +172,29 @@ def test_loader_names_what_is_missing(tiny_path, tmp_path):
     save_checkpoint(tmp_path, state, json.loads((tiny_path / "config.json").read_text()))
     with pytest.raises(CheckpointError, match="w2_weight"):
         load_model(tmp_path)
+
+
+def test_full_size_config_builds_the_80b_model():
+    """The publisher's config fields (per-layer lists, attention_head_dim, nested vae) at full size, built on the
+    meta device: the parameter counts the README's memory table uses."""
+    from config_hunyuan_image import HunyuanImageConfig
+    from modeling_hunyuan_image import HunyuanImage3
+
+    cfg = HunyuanImageConfig.from_config(dict(
+        vocab_size=133120, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        attention_head_dim=128, intermediate_size=3072, moe_intermediate_size=[3072] * 32, num_experts=64,
+        moe_topk=[8] * 32, num_shared_expert=[1] * 32, rms_norm_eps=1e-5, rope_theta=10000.0, patch_size=1,
+        patch_embed_hidden_dim=1024, vae_downsample_factor=[16, 16], image_base_size=1024,
+        vae={"_class_name": "AutoencoderKLConv3D", "latent_channels": 32, "block_out_channels": [128, 256, 512, 1024, 1024],
+             "layers_per_block": 2, "ffactor_spatial": 16, "ffactor_temporal": 4, "scaling_factor": 0.562679178327931}))
+    assert (cfg.head_dim, cfg.moe_topk, cfg.num_experts, cfg.num_groups) == (128, 8, 64, 4)
+    with torch.device("meta"):
+        model = HunyuanImage3(cfg)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    layers = count(model.model.layers)
+    assert model.model.layers[0].self_attn.qkv_proj.weight.shape == (6144, 4096)
+    assert abs(layers / 1e9 - 79.9) < 0.1  # 32 x (64 experts + shared MLP + attention + router)
+    assert abs(count(model.vae) / 1e9 - 1.26) < 0.02  # the spec's "about 1.26B"
+    image_parts = sum(count(getattr(model, n)) for n in ("timestep_emb", "time_embed", "time_embed_2", "patch_embed",
+                                                           "final_layer"))
+    assert abs(image_parts / 1e9 - 0.34) < 0.01
