@@ -9,7 +9,7 @@ bf16 linears) written once to weights/magihuman-bench. Distilled mode (8 steps).
 - the whole pipeline per stage (text, denoise, vae_decode, audio_decode), models resident (loaded once), against
   the same pipeline with --offload (only the running stage's model kept; on the CPU that frees and reloads it);
 - one DiT forward at the clip's token count, its FLOPs counted from the config (linears, attention scores and
-  values), as achieved GFLOP/s against a bf16 [2048 x 2048] @ [2048 x 2048] matmul peak measured here (fastest
+  values; the linears' count equals torch's FlopCounterMode), as achieved GFLOP/s against a bf16 [2048 x 2048] @ [2048 x 2048] matmul peak measured here (fastest
   of 5 steps, fastest of 10 matmuls).
 Prints two tables and one final line.
 """
@@ -50,18 +50,26 @@ def ensure_bench() -> Path:
     return BENCH
 
 
-def dit_flops(c: MagiHumanConfig, tokens: int, video: int, audio: int) -> float:
-    """Multiply-adds x 2 of one forward over `tokens` tokens (embedders, every layer's linears and attention, heads)."""
+def linear_flops(c: MagiHumanConfig, tokens: int, video: int, audio: int) -> float:
+    """2 x multiply-adds of every linear of one forward over `tokens` tokens (embedders, layers, heads)."""
     per_token = 0
     for i in range(c.num_layers):
         inter = c.gelu7_intermediate if i in c.gelu7_layers else c.swiglu_intermediate
         up = inter if i in c.gelu7_layers else 2 * inter
         per_token += c.hidden_size * (c.qkv_size + c.hidden_size + up) + inter * c.hidden_size
-    attention = c.num_layers * 2 * tokens * tokens * c.num_heads_q * c.head_dim  # q k^T and p v
     embed = c.hidden_size * (video * c.video_in_channels + audio * c.audio_in_channels
                              + (tokens - video - audio) * c.text_in_channels)
     heads = c.hidden_size * (video * c.video_in_channels + audio * c.audio_in_channels)
-    return 2.0 * (per_token * tokens + attention + embed + heads)
+    return 2.0 * (per_token * tokens + embed + heads)
+
+
+def attention_flops(c: MagiHumanConfig, tokens: int) -> float:
+    """q k^T and p v of full attention in every layer (local windows counted as full)."""
+    return 2.0 * c.num_layers * 2 * tokens * tokens * c.num_heads_q * c.head_dim
+
+
+def dit_flops(c: MagiHumanConfig, tokens: int, video: int, audio: int) -> float:
+    return linear_flops(c, tokens, video, audio) + attention_flops(c, tokens)
 
 
 def matmul_peak(device, dtype=torch.bfloat16, n: int = 2048, reps: int = 10) -> float:

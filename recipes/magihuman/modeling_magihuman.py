@@ -193,8 +193,9 @@ class MagiHumanDiT(nn.Module):
         self.block = Block(config, dtype)
         self.final_norm_video = MultiModalityRMSNorm(config.hidden_size, 1, config.eps)
         self.final_norm_audio = MultiModalityRMSNorm(config.hidden_size, 1, config.eps)
-        self.final_linear_video = nn.Linear(config.hidden_size, config.video_in_channels, bias=False, dtype=dtype)
-        self.final_linear_audio = nn.Linear(config.hidden_size, config.audio_in_channels, bias=False, dtype=dtype)
+        # the heads stay fp32, as the embedders (the publisher's module tree)
+        self.final_linear_video = nn.Linear(config.hidden_size, config.video_in_channels, bias=False)
+        self.final_linear_audio = nn.Linear(config.hidden_size, config.audio_in_channels, bias=False)
         self.requires_grad_(False)
 
     def forward(self, video: torch.Tensor, audio: torch.Tensor, text: torch.Tensor, inp: DiTInputs):
@@ -207,10 +208,10 @@ class MagiHumanDiT(nn.Module):
         for layer in self.block.layers:
             x = layer(x, inp)
         x = inp.dispatcher.undispatch(x)
-        nv, na, dtype = inp.video_tokens, inp.audio_len, self.final_linear_video.weight.dtype
+        nv, na = inp.video_tokens, inp.audio_len
         one = torch.tensor([x.shape[0]], device=x.device)  # single expert: one group
-        v = self.final_linear_video(self.final_norm_video(x[:nv], one).to(dtype)).float()  # [Nv, 192]
-        au = self.final_linear_audio(self.final_norm_audio(x[nv:nv + na], one).to(dtype)).float()  # [A, 64]
+        v = self.final_linear_video(self.final_norm_video(x[:nv], one))  # [Nv, 192] fp32
+        au = self.final_linear_audio(self.final_norm_audio(x[nv:nv + na], one))  # [A, 64] fp32
         return v, au
 
     def velocity(self, video_latent: torch.Tensor, audio_latent: torch.Tensor, text: torch.Tensor,

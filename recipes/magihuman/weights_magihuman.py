@@ -1,7 +1,7 @@
 """Load a MagiHuman DiT folder (base/, distill/, 540p_sr/, 1080p_sr/) in the publisher's tensor names.
 
-The module tree uses the publisher's names, so no rename is needed: linears are stored bf16, norms fp32 (w, i.e.
-gamma - 1), embedders fp32 with bias; `adapter.rope.bands` may be absent (then recomputed from the config).
+The module tree uses the publisher's names, so no rename is needed: the blocks' linears are bf16; norms (w, i.e.
+gamma - 1), embedders (with bias) and the two heads fp32 (a checkpoint's tensors are cast to these on load); `adapter.rope.bands` may be absent (then recomputed from the config).
 """
 from __future__ import annotations
 

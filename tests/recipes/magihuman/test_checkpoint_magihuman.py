@@ -54,8 +54,8 @@ def test_tiny_checkpoint_names_shapes_and_dtypes(tiny_weights):
         ckpt = Checkpoint(tiny_weights / variant)
         assert {n: list(ckpt.shape(n)) for n in ckpt.names()} == expected
         for name in ckpt.names():
-            linear = name.endswith(".weight") and "embedder" not in name and len(ckpt.shape(name)) == 2
-            assert ckpt.dtype(name) == (torch.bfloat16 if linear else torch.float32), name
+            block_linear = name.startswith("block.") and len(ckpt.shape(name)) == 2  # embedders, heads, norms: fp32
+            assert ckpt.dtype(name) == (torch.bfloat16 if block_linear else torch.float32), name
     assert cfg.swiglu_intermediate == 168 and cfg.qkv_size == 132
     assert MagiHumanConfig.from_folder(tiny_weights / "1080p_sr").local_attn_layers == [1, 2]
     assert MagiHumanConfig.from_folder(tiny_weights / "540p_sr").text_rope == "v1"
