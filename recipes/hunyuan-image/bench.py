@@ -7,7 +7,8 @@ Weights: a small-but-not-trivial random checkpoint (BENCH_CONFIG below, written 
 weights/hunyuan-image-bench/), fp32, CFG (batch of 2). A 128-token prompt (bos + 127 prompt tokens) and
 - 256x256 images: 16x16 latents, 256 image tokens (the issue's size);
 - 128x128 images: 8x8 latents, 64 image tokens (a prompt long against the image).
-Measured: the whole loop of --steps steps, median of --reps after a warm-up, the two taking turns; the two loops must give the same
+Measured: the whole loop of --steps steps, median of --reps after a warm-up, the two taking turns; the two loops
+must give the same
 latents. Then one MoE layer on the sequence's tokens: ours (router top-k, init routing, two grouped matmuls,
 finalize routing) against a per-expert loop as transformers' HunYuanMoEV1 runs it. One final line of ratios.
 """

@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     par = parallel.init_parallel(a.layout)
     try:
         try:
-            model = load_model(path, DTYPES[a.dtype], par.group("tp"), par.group("ep"), device=backend.device(par.local_rank))
+            model = load_model(path, DTYPES[a.dtype], par.group("tp"), par.group("ep"),
+                               device=backend.device(par.local_rank))
             tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
             special = special_token_ids(tokenizer)
         except (CheckpointError, ValueError, OSError) as e:

@@ -1,4 +1,5 @@
-"""The diffusion-side layers of HunyuanImage-3.0: timestep embedders, UNetDown (`patch_embed`), UNetUp (`final_layer`)."""
+"""The diffusion-side layers of HunyuanImage-3.0: timestep embedders, UNetDown (`patch_embed`), UNetUp
+(`final_layer`)."""
 from __future__ import annotations
 
 import math

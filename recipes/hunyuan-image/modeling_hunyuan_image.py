@@ -80,7 +80,8 @@ class HunyuanAttention(nn.Module):
     def attach_weight_loaders(self):
         """qkv_proj rows [kv, G+2, D] and o_proj input columns [kv, G, D]: this rank's kv groups."""
         (kv0, kv1), GD2, GD = self.kv_range, (self.groups + 2) * self.head_dim, self.groups * self.head_dim
-        self.qkv_proj.weight.weight_loader = lambda p, w, _: p.copy_(w.view(-1, GD2, w.shape[-1])[kv0:kv1].flatten(0, 1))
+        self.qkv_proj.weight.weight_loader = \
+            lambda p, w, _: p.copy_(w.view(-1, GD2, w.shape[-1])[kv0:kv1].flatten(0, 1))
         self.o_proj.weight.weight_loader = lambda p, w, _: p.copy_(w[:, kv0 * GD:kv1 * GD])
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor):

@@ -157,7 +157,8 @@ class HunyuanImage3Pipeline:
         f = self.model.config.vae_downsample_factor
         h, w = H // f[0], W // f[1]
         cfg = guidance_scale > 1.0
-        seq = build_sequence(self.tokenizer, self.special, prompt, ratio_index, h, w, cfg=cfg, system_prompt=system_prompt)
+        seq = build_sequence(self.tokenizer, self.special, prompt, ratio_index, h, w, cfg=cfg,
+                             system_prompt=system_prompt)
         cfg_ranks = group_size(self.cfg_group)
         if cfg and cfg_ranks == 2:  # this rank runs its half of the CFG batch
             r = group_rank(self.cfg_group)

@@ -72,7 +72,8 @@ def build_sequence(tokenizer, special: dict[str, int], prompt: str, ratio_index:
     one for one (same length, same image positions; system prompt and special tokens unchanged)."""
     ids, p0, p1 = prompt_ids(tokenizer, special, prompt, system_prompt)
     image = [special["img"]] * (h * w)
-    tail = [special["boi"], special["size"], special[f"ratio_{ratio_index}"], special["timestep"], *image, special["eoi"]]
+    tail = [special["boi"], special["size"], special[f"ratio_{ratio_index}"], special["timestep"], *image,
+            special["eoi"]]
     cond = ids + tail
     rows = [cond]
     if cfg:
@@ -118,7 +119,8 @@ def _group(runs: list[tuple[int, int, int, torch.Tensor]], causal: bool) -> Atte
     """runs: (first row, end row, kv length, block-table row) -> one paged-attention call."""
     rows = torch.cat([torch.arange(r0, r1) for r0, r1, _, _ in runs])
     q_lens = torch.tensor([r1 - r0 for r0, r1, _, _ in runs])
-    return AttentionGroup(rows, torch.stack([bt for *_, bt in runs]).int(), torch.tensor([n for _, _, n, _ in runs]).int(),
+    block_tables = torch.stack([bt for *_, bt in runs]).int()
+    return AttentionGroup(rows, block_tables, torch.tensor([n for _, _, n, _ in runs]).int(),
                           torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).int(), causal)
 
 
@@ -136,7 +138,8 @@ def full_metadata(seq: ImageSequence, block_tables: torch.Tensor, block_size: in
         causal += [(b * L, b * L + i0, i0, bt), (b * L + i1, (b + 1) * L, L, bt)]
         bidir.append((b * L + i0, b * L + i1, i1, bt))
     slot_mapping = torch.cat([slots(bt, pos, block_size) for bt in block_tables])
-    return ForwardMetadata(cos.repeat(B, 1), sin.repeat(B, 1), slot_mapping, [_group(causal, True), _group(bidir, False)])
+    groups = [_group(causal, True), _group(bidir, False)]
+    return ForwardMetadata(cos.repeat(B, 1), sin.repeat(B, 1), slot_mapping, groups)
 
 
 def reuse_positions(seq: ImageSequence) -> torch.Tensor:

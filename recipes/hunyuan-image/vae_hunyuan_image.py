@@ -76,7 +76,8 @@ class UpsampleDCAE(nn.Module):
 
 def _mid(channels: int) -> nn.Module:
     mid = nn.Module()
-    mid.block_1, mid.attn_1, mid.block_2 = ResnetBlock(channels, channels), AttnBlock(channels), ResnetBlock(channels, channels)
+    mid.block_1, mid.attn_1 = ResnetBlock(channels, channels), AttnBlock(channels)
+    mid.block_2 = ResnetBlock(channels, channels)
     return mid
 
 

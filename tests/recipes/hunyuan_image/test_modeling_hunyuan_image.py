@@ -185,7 +185,8 @@ def test_full_size_config_builds_the_80b_model():
         attention_head_dim=128, intermediate_size=3072, moe_intermediate_size=[3072] * 32, num_experts=64,
         moe_topk=[8] * 32, num_shared_expert=[1] * 32, rms_norm_eps=1e-5, rope_theta=10000.0, patch_size=1,
         patch_embed_hidden_dim=1024, vae_downsample_factor=[16, 16], image_base_size=1024,
-        vae={"_class_name": "AutoencoderKLConv3D", "latent_channels": 32, "block_out_channels": [128, 256, 512, 1024, 1024],
+        vae={"_class_name": "AutoencoderKLConv3D", "latent_channels": 32,
+             "block_out_channels": [128, 256, 512, 1024, 1024],
              "layers_per_block": 2, "ffactor_spatial": 16, "ffactor_temporal": 4, "scaling_factor": 0.562679178327931}))
     assert (cfg.head_dim, cfg.moe_topk, cfg.num_experts, cfg.num_groups) == (128, 8, 64, 4)
     with torch.device("meta"):
