@@ -127,6 +127,7 @@ def quiet_libraries() -> None:
 
     warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)  # diffusers' Oobleck
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # e.g. the load report listing the T5Gemma decoder weights left unread
     diffusers_logging.disable_progress_bar()
 
 

@@ -72,6 +72,20 @@ def test_cfg_with_the_prompt_as_negative_is_plain_guidance_free(pipe):
     assert not torch.allclose(plain[0], guided[0], atol=1e-3)
 
 
+def test_base_mode_runs_32_steps_with_cfg(pipe):
+    dit = pipe.models._bring("base")
+    lengths = []
+    hook = dit.register_forward_hook(lambda module, args, out: lengths.append(args[2].shape[0]))  # text tokens seen
+    try:
+        out = pipe(PROMPT, mode="base", seconds=0.2, size=(64, 64), seed=1, negative_prompt="blur, noise")
+    finally:
+        hook.remove()
+    cond, uncond = (len(t) for t in pipe.encode_text([PROMPT, "blur, noise"]))
+    assert cond != uncond and len(lengths) == 64  # 32 steps x (cond, uncond)
+    assert lengths[0::2] == [cond] * 32 and lengths[1::2] == [uncond] * 32
+    assert out.video.shape == (3, 5, 64, 64) and torch.isfinite(out.video_latent).all()
+
+
 def test_sr_upsamples_and_keeps_the_base_audio(pipe, distilled):
     out = pipe(PROMPT, mode="sr540", seconds=0.4, size=(64, 64), seed=3, negative_prompt="blur")  # SR has CFG
     assert out.video.shape == (3, 9, 128, 128) and out.video_latent.shape == (48, 3, 8, 8)
@@ -80,3 +94,30 @@ def test_sr_upsamples_and_keeps_the_base_audio(pipe, distilled):
               negative_prompt="blur")  # the local-attention model
     assert hd.video.shape == (3, 9, 64, 96) and torch.isfinite(hd.video_latent).all()
     assert patchify(hd.video_latent).shape == (3 * 2 * 3, 192)
+
+
+def test_text_encoder_loads_from_the_encoder_decoder_release(tiny_weights, tmp_path):
+    """The real text_encoder/ is the whole T5Gemma 9B-9B checkpoint: only its encoder is loaded, unchanged."""
+    import shutil
+
+    from transformers import T5GemmaConfig, T5GemmaForConditionalGeneration
+
+    module = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=16)
+    full = T5GemmaForConditionalGeneration(T5GemmaConfig(encoder=module, decoder=module, vocab_size=320)).eval()
+    weights = tmp_path / "w"
+    weights.mkdir()
+    full.save_pretrained(weights / "text_encoder")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_weights / "text_encoder" / name, weights / "text_encoder" / name)
+    pipe = MagiHumanPipeline(weights, "cpu", dtype=torch.float32)
+    encoder = pipe.models._bring("text_encoder")
+    reference = full.get_encoder().state_dict()
+    loaded = encoder.encoder.state_dict()
+    assert loaded.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(loaded[name], tensor), name
+    ids = torch.tensor([[2, 40, 41, 42]])
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(input_ids=ids).last_hidden_state,
+                                   full.get_encoder()(input_ids=ids).last_hidden_state)
