@@ -60,11 +60,13 @@ def dit_name(mode: str) -> str:
 
 
 class MagiHumanPipeline:
-    def __init__(self, weights, device=None, offload: bool = False, dtype=torch.bfloat16, vae_dtype=torch.float32):
+    def __init__(self, weights, device=None, offload: bool = False, dtype=torch.bfloat16, vae_dtype=None):
+        """vae_dtype: default fp32 on the CPU, else `dtype` (bf16, as upstream)."""
         from transformers import AutoTokenizer
 
-        self.weights, self.dtype, self.vae_dtype = Path(weights), dtype, vae_dtype
         self.device = torch.device(device or backend.device())
+        self.weights, self.dtype = Path(weights), dtype
+        self.vae_dtype = vae_dtype or (torch.float32 if self.device.type == "cpu" else dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.weights / "text_encoder")
         loaders = {"text_encoder": self._load_text_encoder, "vae": self._load_vae, "audio_vae": self._load_audio_vae}
         for name in ("base", "distill", "540p_sr", "1080p_sr"):
@@ -89,6 +91,7 @@ class MagiHumanPipeline:
                                                   torch_dtype=self.vae_dtype).to(device).eval()
 
     # -- stages ---------------------------------------------------------------------------------------------------
+    @torch.no_grad()
     def encode_text(self, prompts: list[str]) -> list[torch.Tensor]:
         """-> one [L, text_in] fp32 per prompt (unpadded T5Gemma states, at most 640 tokens, via fp16)."""
         out = []
@@ -105,6 +108,7 @@ class MagiHumanPipeline:
         std = torch.tensor(vae.config.latents_std, device=self.device).view(-1, 1, 1, 1)
         return mean, std
 
+    @torch.no_grad()
     def encode_image(self, image, height: int, width: int) -> torch.Tensor:
         """PIL image -> clean normalised latent of frame 0 [48, 1, h, w]: cover-resize, centre crop, [-1, 1]."""
         from PIL import Image
@@ -122,12 +126,14 @@ class MagiHumanPipeline:
             mean, std = self._vae_norm(vae)
         return (mu - mean) / std
 
+    @torch.no_grad()
     def decode_video(self, latent: torch.Tensor) -> torch.Tensor:
         with self.models.use("vae") as vae:
             mean, std = self._vae_norm(vae)
             z = (latent * std + mean)[None].to(self.vae_dtype)  # [1, 48, T, h, w]
             return vae.decode(z).sample[0].float().clamp(-1, 1)  # [3, F, H, W]
 
+    @torch.no_grad()
     def decode_audio(self, latent: torch.Tensor) -> torch.Tensor:
         """[A, 64] -> stereo [2, S] at 44.1 kHz: Oobleck decodes 2048 samples per latent (51.2 kHz), 441/512."""
         with self.models.use("audio_vae") as vae:
@@ -135,6 +141,7 @@ class MagiHumanPipeline:
         wave = resample_poly(wave.cpu().numpy(), 441, 512, axis=-1)
         return torch.from_numpy(np.ascontiguousarray(wave)).float().clamp(-1, 1)
 
+    @torch.no_grad()
     def denoise_distill(self, dit, video, audio, text, gen, frame0=None):
         """8 DDIM-style steps, no CFG: x0 = x - sigma v; x = sigma' eps_fresh + (1 - sigma') x0."""
         inp = build_inputs(dit.config, grid_of(video), audio.shape[0], text.shape[0], self.device)
@@ -146,6 +153,7 @@ class MagiHumanPipeline:
             audio = distill_step(audio, v_audio, sigma, sigma_next, self.noise(audio.shape, gen))
         return impose(video, frame0), audio
 
+    @torch.no_grad()
     def denoise_unipc(self, dit, video, audio, text, steps, negative=None, video_scale=video_guidance, frame0=None,
                       audio_fixed=False):
         """Flow UniPC over `steps`; with `negative` text, CFG: video scale video_scale(timestep) (a float or a
