@@ -26,9 +26,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def ensure_tiny() -> Path:
-    from tiny_magihuman import write_tiny_models
+    from tiny_magihuman import STAMP, TINY_FORMAT, write_tiny_models
 
-    if not all((TINY / part / "config.json").is_file() for part in PARTS):
+    stamp = TINY / STAMP
+    if not (stamp.is_file() and stamp.read_text().strip() == str(TINY_FORMAT)
+            and all((TINY / part / "config.json").is_file() for part in PARTS)):
         write_tiny_models(TINY)
     return TINY
 

@@ -20,6 +20,8 @@ from config_magihuman import VARIANTS, tiny_config
 from modeling_magihuman import MagiHumanDiT
 
 TEXT_HIDDEN = 32
+TINY_FORMAT = 2  # bump when the writer changes: run.sh rewrites a model set whose stamp differs
+STAMP = "tiny_format.txt"
 
 
 def random_dit_tensors(config, seed: int) -> dict[str, torch.Tensor]:
@@ -74,6 +76,7 @@ def write_tiny_models(path) -> Path:
         save_checkpoint(path / variant, random_dit_tensors(config, seed=10 + seed), config.to_dict())
     write_text_encoder(path / "text_encoder")
     write_vaes(path)
+    (path / STAMP).write_text(f"{TINY_FORMAT}\n")
     return path
 
 
