@@ -16,12 +16,19 @@ rows are 0). Ulysses head-slices the text locally, appends it after the all-to-a
 heads; ring attends the text K/V once and merges by LSE, text rows in a fixed block order so that every rank
 computes the same bits.
 
+Hybrid (USP, `UlyssesRing`): the sp group as U x R ranks, Ulysses all-to-all inside each block of U neighbouring
+sp ranks (which together hold a contiguous 1/R of the sequence), ring attention across the R blocks (ranks U
+apart): ulysses_attention(..., group=ulysses, ring_group=ring). Ulysses moves more data per step but needs H >= U;
+ring moves only K/V but serialises P steps; the mix keeps all-to-all inside a node and the ring across nodes.
+
 Ulysses with heads not divisible by P: heads are padded with zeros up to the next multiple of P (a zero q and k
 give uniform weights over zero v, so a padded head's output is 0, then dropped). The cost is ceil(H/P)*P - H extra
 heads of attention and all-to-all volume (24 heads on 16 ranks: 32 heads' work). GQA K/V is repeated to Hq heads
 first when either head count is not a multiple of P.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -82,9 +89,39 @@ def _cat_masks(a, b, shape_a, shape_b, device):
     return torch.cat([a, b], dim=1)
 
 
+@dataclass(frozen=True)
+class UlyssesRing:
+    """Hybrid sequence parallel: `ulysses` = this rank's block of U neighbouring sp ranks, `ring` = the R ranks
+    U apart that hold the same head slice of the other blocks (None where a degree is 1)."""
+
+    ulysses: dist.ProcessGroup | None
+    ring: dist.ProcessGroup | None
+
+
+def ulysses_ring_groups(sp_groups: list[list[int]], ulysses_degree: int, rank: int) -> UlyssesRing:
+    """Split every sp group (lists of global ranks, e.g. ParallelLayout.group_ranks("sp")) into Ulysses blocks of
+    `ulysses_degree` neighbouring ranks and ring groups across them. Collective: every rank of the world calls it
+    with the same arguments (torch.distributed creates groups in the same order everywhere)."""
+    mine = {}
+    for ranks in sp_groups:
+        U = ulysses_degree
+        if U < 1 or len(ranks) % U:
+            raise ValueError(f"ulysses degree {U} must divide the sp size {len(ranks)}")
+        blocks = [("ulysses", ranks[i:i + U]) for i in range(0, len(ranks), U)]
+        rings = [("ring", ranks[j::U]) for j in range(U)]
+        for name, sub in blocks + rings:
+            group = dist.new_group(sub) if len(sub) > 1 else None  # the same calls on every rank
+            if rank in sub:
+                mine[name] = group
+    return UlyssesRing(mine.get("ulysses"), mine.get("ring"))
+
+
 def ulysses_attention(q, k, v, group: dist.ProcessGroup | None, scale: float, joint_q=None, joint_k=None,
-                      joint_v=None, joint_mask=None, seq_len: int | None = None):
+                      joint_v=None, joint_mask=None, seq_len: int | None = None,
+                      ring_group: dist.ProcessGroup | None = None):
     """All-to-all sequence shards -> head shards [B, S, H/P, D], attend over the whole sequence, all-to-all back.
+    With ring_group (hybrid USP): the all-to-all gathers this block's 1/R of the sequence, and ring attention over
+    ring_group covers the other blocks.
 
     Returns out [B, S/P, Hq, Dv], or (out, joint_out [B, L, Hq, Dv]) with joint_q / joint_k / joint_v.
     """
@@ -99,20 +136,24 @@ def ulysses_attention(q, k, v, group: dist.ProcessGroup | None, scale: float, jo
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # [B, S/P, Hp, D], zero heads at the end
         if joint:
             joint_q, joint_k, joint_v = (F.pad(t, (0, 0, 0, pad)) for t in (joint_q, joint_k, joint_v))
-    q, k, v = (all_to_all(t, group, scatter_dim=2, gather_dim=1) for t in (q, k, v))  # [B, S, Hp/P, D]
+    q, k, v = (all_to_all(t, group, scatter_dim=2, gather_dim=1) for t in (q, k, v))  # [B, S(/R), Hp/P, D]
     S = q.shape[1]
-    mask = _valid_rows(seq_len, 0, S, B, q.device)  # [B, S] or None
+    jq = jk = jv = None
+    if joint:  # this rank's heads of the replicated text [B, L, Hp/P, D]
+        jq, jk, jv = (t.chunk(P, dim=2)[group_rank(group)] for t in (joint_q, joint_k, joint_v))
+    if group_size(ring_group) > 1:
+        res = ring_attention(q, k, v, ring_group, scale, jq, jk, jv, joint_mask, seq_len)
+        out, joint_out = res if joint else (res, None)  # [B, S/R, Hp/P, Dv], [B, L, Hp/P, Dv]
+    else:
+        mask = _valid_rows(seq_len, 0, S, B, q.device)  # [B, S] or None
+        if joint:
+            L = jq.shape[1]
+            q, k, v = torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1)  # [B, S + L, Hp/P, D]
+            mask = _cat_masks(mask, joint_mask, (B, S), (B, L), q.device)
+        out = masked_attention(q, k, v, scale, q_mask=mask, k_mask=mask)  # [B, S (+ L), Hp/P, Dv]
+        out, joint_out = out[:, :S], (out[:, S:] if joint else None)
     if joint:
-        r = group_rank(group)
-        jq, jk, jv = (t.chunk(P, dim=2)[r] for t in (joint_q, joint_k, joint_v))  # this rank's heads [B, L, Hp/P, D]
-        L = jq.shape[1]
-        q, k, v = torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1)  # [B, S + L, Hp/P, D]
-        mask = _cat_masks(mask, joint_mask, (B, S), (B, L), q.device)
-    out = masked_attention(q, k, v, scale, q_mask=mask, k_mask=mask)  # [B, S (+ L), Hp/P, Dv]
-    joint_out = None
-    if joint:
-        out, joint_out = out[:, :S], out[:, S:]
-        joint_out = all_gather(joint_out, group, dim=2)[:, :, :Hq]  # [B, L, Hq, Dv]
+        joint_out = all_gather(joint_out.contiguous(), group, dim=2)[:, :, :Hq]  # [B, L, Hq, Dv]
     out = all_to_all(out.contiguous(), group, scatter_dim=1, gather_dim=2)[:, :, :Hq]  # [B, S/P, Hq, Dv]
     return (out, joint_out) if joint else out
 

@@ -3,6 +3,7 @@
     python generate_hunyuan_video.py [--weights DIR] [--config configs/X.yaml] [--prompt TEXT] [--video-size H W]
         [--video-length N] [--infer-steps N] [--seed N] [--cache none|teacache|fbcache|taylorseer]
         [--true-cfg-scale S --negative-prompt TEXT] [--vae-tiling] [--output FILE.mp4]
+        [--sp N | --ulysses-degree U --ring-degree R] [--cfg-parallel]
 Multi-rank (sequence parallel, CFG parallel) runs go through run.sh, which launches torchrun.
 """
 from __future__ import annotations
@@ -44,8 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flow-shift", type=float)
     p.add_argument("--true-cfg-scale", type=float, help="> 1 with --negative-prompt: real CFG (two branches)")
     p.add_argument("--negative-prompt")
-    p.add_argument("--sp", type=int, help="sequence-parallel ranks (run.sh launches torchrun)")
-    p.add_argument("--sp-mode", choices=("ulysses", "ring"))
+    p.add_argument("--sp", type=int, help="sequence-parallel ranks, Ulysses unless the degrees say otherwise")
+    p.add_argument("--ulysses-degree", type=int, help="Ulysses (all-to-all) ranks inside each ring step")
+    p.add_argument("--ring-degree", type=int, help="ring-attention ranks; sp = ulysses degree x ring degree")
     p.add_argument("--cfg-parallel", action="store_true", help="cond / uncond branches on two ranks")
     p.add_argument("--vae-tiling", action="store_true", help="tiled (patch-parallel under sp) VAE decode")
     p.add_argument("--dtype", choices=sorted(DTYPES))
@@ -71,13 +73,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     except (TypeError, ValueError) as e:
         p.error(str(e))
     par = preset.get("parallel") or {}
-    a.sp = int(par.get("sp", 1)) if a.sp is None else a.sp
-    a.sp_mode = a.sp_mode or par.get("sp_mode", "ulysses")
+    given = a.ulysses_degree is not None or a.ring_degree is not None
+    for name in ("ulysses_degree", "ring_degree"):  # a degree given on the command line overrides both of the preset's
+        if getattr(a, name) is None:
+            setattr(a, name, 1 if given else int(par.get(name, 1)))
+    if min(a.ulysses_degree, a.ring_degree) < 1:
+        p.error(f"--ulysses-degree {a.ulysses_degree} / --ring-degree {a.ring_degree}: must be >= 1")
+    if a.sp is not None:
+        if a.sp < 1:
+            p.error(f"--sp {a.sp}: must be >= 1")
+        if not given:  # --sp N alone: Ulysses over N ranks
+            a.ulysses_degree, a.ring_degree = a.sp, 1
+        elif a.sp != a.ulysses_degree * a.ring_degree:
+            p.error(f"--sp {a.sp} != --ulysses-degree {a.ulysses_degree} x --ring-degree {a.ring_degree}")
+    a.sp = a.ulysses_degree * a.ring_degree
     a.cfg = 2 if a.cfg_parallel or int(par.get("cfg", 1)) == 2 else 1
     if a.cfg == 2 and not a.sampling.true_cfg:
         p.error("--cfg-parallel needs true CFG: --true-cfg-scale > 1 (and usually --negative-prompt)")
-    if a.sp < 1:
-        p.error(f"--sp {a.sp}: must be >= 1")
     if a.world_size:
         print(a.sp * a.cfg)
         sys.exit(0)
@@ -116,7 +128,8 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         pipe = HunyuanVideoPipeline.from_pretrained(root, a.dtype, backend.device(), parallel,
                                                     vae_dtype=a.vae_dtype,
-                                                    text_config=TextEncoderConfig(**a.text_encoder), sp_mode=a.sp_mode,
+                                                    text_config=TextEncoderConfig(**a.text_encoder),
+                                                    ulysses_degree=a.ulysses_degree, ring_degree=a.ring_degree,
                                                     vae_tiling=a.vae_tiling)
         load_s = time.perf_counter() - start
         out = pipe(a.prompt, a.sampling)
@@ -132,7 +145,7 @@ def main(argv=None) -> int:
         print(f"wrote {path} ({cfg.video_length} frames, {cfg.height}x{cfg.width}, 24 fps)")
         print(f"load {load_s:.2f} s | text encoders {out.timings['text_encoders']:.2f} s | denoise "
               f"{out.timings['denoise']:.2f} s ({cfg.infer_steps} steps, {skipped} skipped by cache={cfg.cache}) | "
-              f"vae decode {out.timings['vae_decode']:.2f} s | ranks sp={a.sp} ({a.sp_mode}) cfg={a.cfg}")
+              f"vae decode {out.timings['vae_decode']:.2f} s | ranks sp={a.sp} (ulysses {a.ulysses_degree} x ring {a.ring_degree}) cfg={a.cfg}")
     return 0
 
 

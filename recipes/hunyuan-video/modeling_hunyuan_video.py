@@ -12,7 +12,8 @@ video output. 3D RoPE (t, h, w dims rope_dim_list, theta 256, interleaved pairs)
 
 Sequence parallel (sp_group): the video tokens are sharded over the ranks (zero-padded to a multiple of P, the
 padding left out of attention), the text is replicated; the output is gathered, so every rank returns the whole
-velocity. Step caches (common.diffusion.step_cache) wrap the block stack: head = double block 0, tail = the rest,
+velocity. sp_mode: "ulysses", "ring", or a UlyssesRing (the sp group factored as Ulysses x ring sub-groups).
+Step caches (common.diffusion.step_cache) wrap the block stack: head = double block 0, tail = the rest,
 TeaCache's judge = the modulated input of double block 0.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 
 from common import ops
 from common.diffusion.sequence_parallel import (
+    UlyssesRing,
     masked_attention,
     ring_attention,
     ulysses_attention,
@@ -82,7 +84,7 @@ class AttentionContext:
     txt_mask: torch.Tensor | None
     scale: float
     sp_group: dist.ProcessGroup | None = None
-    sp_mode: str = "ulysses"
+    sp_mode: str | UlyssesRing = "ulysses"
     seq_len: int | None = None
 
     def rope(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,10 +101,14 @@ class AttentionContext:
             if self.txt_mask is not None:
                 mask = torch.cat([self.txt_mask.new_ones(q.shape[0], n), self.txt_mask], dim=1)  # [B, n + L]
             return masked_attention(q, k, v, self.scale, q_mask=mask, k_mask=mask).flatten(2)
-        fn = ring_attention if self.sp_mode == "ring" else ulysses_attention
-        img, txt = fn(self.rope(q[:, :n]), self.rope(k[:, :n]), v[:, :n], self.sp_group, self.scale,
+        fn, group, extra = ulysses_attention, self.sp_group, {}
+        if isinstance(self.sp_mode, UlyssesRing):  # Ulysses inside the block, ring across the blocks
+            group, extra = self.sp_mode.ulysses, {"ring_group": self.sp_mode.ring}
+        elif self.sp_mode == "ring":
+            fn = ring_attention
+        img, txt = fn(self.rope(q[:, :n]), self.rope(k[:, :n]), v[:, :n], group, self.scale,
                       joint_q=q[:, n:], joint_k=k[:, n:], joint_v=v[:, n:], joint_mask=self.txt_mask,
-                      seq_len=self.seq_len)  # [B, n, H, D], [B, L, H, D]
+                      seq_len=self.seq_len, **extra)  # [B, n, H, D], [B, L, H, D]
         return torch.cat([img, txt], dim=1).flatten(2)
 
 
@@ -347,13 +353,13 @@ class HunyuanVideoTransformer3D(nn.Module):
                              f"[{B}, {cfg.text_states_dim_2}]")
         if cfg.guidance_embed and guidance is None:
             raise ValueError("this checkpoint is guidance-distilled: pass guidance (embedded scale x 1000)")
-        if sp_mode not in SP_MODES:
-            raise ValueError(f"sp_mode {sp_mode!r}: expected one of {SP_MODES}")
+        if not isinstance(sp_mode, UlyssesRing) and sp_mode not in SP_MODES:
+            raise ValueError(f"sp_mode {sp_mode!r}: expected one of {SP_MODES} or a UlyssesRing")
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_attention_mask: torch.Tensor | None, pooled_projections: torch.Tensor,
                 guidance: torch.Tensor | None = None, *, step: int = 0, step_cache: StepCache | None = None,
-                sp_group: dist.ProcessGroup | None = None, sp_mode: str = "ulysses") -> torch.Tensor:
+                sp_group: dist.ProcessGroup | None = None, sp_mode: str | UlyssesRing = "ulysses") -> torch.Tensor:
         """hidden_states [B, C, T, H, W], timestep [B] (0..1000), encoder_hidden_states [B, L, Ct],
         encoder_attention_mask [B, L] (1 = real token; any pattern, usually right padding), pooled_projections [B, Cp],
         guidance [B] (embedded guidance scale x 1000) -> velocity [B, C_out, T, H, W]."""

@@ -2,7 +2,7 @@
 
 The loop is diffusers' HunyuanVideoPipeline step for step (same noise for the same seed, same scheduler calls), so
 the two give the same video for the same weights; what this one adds is the NPU-side machinery: sequence parallel
-(the DiT shards video tokens over the sp group), CFG parallel (cond / uncond on the two ranks of the cfg group,
+(the DiT shards video tokens over the sp group; Ulysses, ring, or Ulysses x ring), CFG parallel (cond / uncond on the two ranks of the cfg group,
 when true CFG is on), step caches (TeaCache / FBCache / TaylorSeer), and tiled / patch-parallel VAE decode.
 
 Scheduler: diffusers' FlowMatchEulerDiscreteScheduler with shift 7 (flow_shift), driven by sigmas
@@ -21,6 +21,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from tqdm.auto import tqdm
 
 from common.diffusion.cfg_parallel import guided_prediction
+from common.diffusion.sequence_parallel import UlyssesRing, ulysses_ring_groups
 from common.diffusion.step_cache import StepCache
 from common.parallel import Parallel
 from sampling_hunyuan_video import SamplingConfig
@@ -29,6 +30,18 @@ from vae_hunyuan_video import load_vae
 from weights_hunyuan_video import load_transformer
 
 MODEL_DIR = "hunyuan-video-t2v-720p"
+
+
+def sp_mode(parallel: Parallel | None, ulysses_degree: int, ring_degree: int) -> str | UlyssesRing:
+    """How the DiT splits attention over the sp group: "ulysses", "ring", or both (sub-groups; collective)."""
+    sp = 1 if parallel is None else parallel.size("sp")
+    if ulysses_degree * ring_degree != sp:
+        raise ValueError(f"ulysses degree {ulysses_degree} x ring degree {ring_degree} != sp size {sp}")
+    if ring_degree == 1:
+        return "ulysses"
+    if ulysses_degree == 1:
+        return "ring"
+    return ulysses_ring_groups(parallel.layout.group_ranks("sp"), ulysses_degree, parallel.rank)
 
 
 @dataclass
@@ -41,23 +54,23 @@ class PipelineOutput:
 
 class HunyuanVideoPipeline:
     def __init__(self, text_encoders: HunyuanVideoTextEncoders, transformer, vae, vae_scaling_factor: float,
-                 parallel: Parallel | None = None, sp_mode: str = "ulysses", vae_tiling: bool = False):
-        if sp_mode not in ("ulysses", "ring"):
-            raise ValueError(f"sp_mode {sp_mode!r}: expected ulysses or ring")
+                 parallel: Parallel | None = None, ulysses_degree: int = 1, ring_degree: int = 1,
+                 vae_tiling: bool = False):
         self.text_encoders, self.transformer, self.vae = text_encoders, transformer.eval(), vae.eval()
-        self.vae_scaling_factor, self.parallel = vae_scaling_factor, parallel
-        self.sp_mode, self.vae_tiling = sp_mode, vae_tiling
+        self.vae_scaling_factor, self.parallel, self.vae_tiling = vae_scaling_factor, parallel, vae_tiling
+        self.sp_mode = sp_mode(parallel, ulysses_degree, ring_degree)
 
     @classmethod
     def from_pretrained(cls, root: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                         parallel: Parallel | None = None, vae_dtype: torch.dtype = torch.float32,
-                        text_config: TextEncoderConfig = TextEncoderConfig(), sp_mode: str = "ulysses",
-                        vae_tiling: bool = False):
+                        text_config: TextEncoderConfig = TextEncoderConfig(), ulysses_degree: int = 1,
+                        ring_degree: int = 1, vae_tiling: bool = False):
         root = Path(root)
         transformer = load_transformer(root / MODEL_DIR / "transformers", dtype, device)
         vae = load_vae(root / MODEL_DIR / "vae", vae_dtype, device)
         text = HunyuanVideoTextEncoders.from_pretrained(root, dtype, device, text_config)
-        return cls(text, transformer, vae, vae.config.scaling_factor, parallel, sp_mode, vae_tiling)
+        return cls(text, transformer, vae, vae.config.scaling_factor, parallel, ulysses_degree, ring_degree,
+                   vae_tiling)
 
     def _group(self, name: str):
         return None if self.parallel is None else self.parallel.group(name)

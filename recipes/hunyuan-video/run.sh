@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # HunyuanVideo text-to-video. No arguments: write the tiny random checkpoint (once, weights/hunyuan-video-tiny) and
 # generate a 5-frame 64x64 clip in 4 steps to outputs/hunyuan-video/video.mp4, printing its path and stage timings.
-# `--sp N` (and/or `--cfg-parallel`, or a preset asking for them) launches the ranks with torchrun. See README.md.
+# `--sp N` / `--ulysses-degree U --ring-degree R` (and/or `--cfg-parallel`, or a preset asking for them) launches
+# the ranks with torchrun. See README.md.
 #   bash recipes/hunyuan-video/run.sh [--weights DIR] [--config configs/X.yaml] [--prompt TEXT] [--video-size H W]
 #        [--video-length N] [--infer-steps N] [--seed N] [--cache none|teacache|fbcache|taylorseer]
-#        [--sp N [--sp-mode ulysses|ring]] [--cfg-parallel --true-cfg-scale S --negative-prompt TEXT] [--vae-tiling]
+#        [--sp N | --ulysses-degree U --ring-degree R] [--cfg-parallel --true-cfg-scale S --negative-prompt TEXT]
+#        [--vae-tiling]
 set -euo pipefail
 cd "$(dirname "$0")"
 ranks=$(python generate_hunyuan_video.py --world-size "$@")  # checks the arguments; exits 2 on a bad one

@@ -1,4 +1,7 @@
-"""Ulysses and ring attention on 2 real gloo ranks equal single-rank full attention (fp32, 1e-5)."""
+"""Ulysses and ring attention on 2 real gloo ranks, and the Ulysses x ring hybrid on 4, equal single-rank full
+attention (fp32, 1e-5)."""
+import functools
+
 import pytest
 import torch
 from dist_helpers import run_ranks
@@ -9,6 +12,7 @@ from common.diffusion.sequence_parallel import (
     masked_attention,
     ring_attention,
     ulysses_attention,
+    ulysses_ring_groups,
 )
 
 S, D = 12, 8
@@ -84,32 +88,44 @@ def _joint_reference(q, k, v, jq, jk, jv, mask, seq_len):
 JOINT_CASES = ((4, S), (3, S - 3), (3, S - 7))  # (heads, real positions): 3 heads over 2 ranks; padding
 
 
-def _check_joint(kind: str) -> None:
-    """S = 12 positions sharded over the ranks, the last S - seq_len of them padding."""
-    par = parallel.init_parallel(parallel.ParallelLayout(sp=2), timeout_s=30)
+def _check_joint(kind: str, world: int = 2) -> None:
+    """S = 12 positions sharded over the ranks, the last S - seq_len of them padding. kind "usp": 4 ranks as
+    Ulysses 2 x ring 2."""
+    par = parallel.init_parallel(parallel.ParallelLayout(sp=world), timeout_s=30)
     try:
+        if kind == "usp":
+            groups = ulysses_ring_groups(par.layout.group_ranks("sp"), 2, par.rank)
+            assert parallel.group_size(groups.ulysses) == parallel.group_size(groups.ring) == 2
+            fn = functools.partial(ulysses_attention, ring_group=groups.ring)
+            group = groups.ulysses
+        else:
+            fn = ulysses_attention if kind == "ulysses" else ring_attention
+            group = par.group("sp")
         for heads, seq_len in JOINT_CASES:
-            _check_joint_case(par, kind, heads, seq_len)
+            _check_joint_case(par, fn, group, heads, seq_len)
+        q, k, v = _inputs(3, 3)  # no text
+        r, n = par.rank_in("sp"), S // world
+        got = fn(*(t[:, r * n:(r + 1) * n] for t in (q, k, v)), group, D**-0.5)
+        torch.testing.assert_close(got, _attention(q, k, v, D**-0.5)[:, r * n:(r + 1) * n], rtol=1e-5, atol=1e-5)
     finally:
         parallel.destroy_parallel()
 
 
-def _check_joint_case(par, kind: str, heads: int, seq_len: int) -> None:
+def _check_joint_case(par, fn, group, heads: int, seq_len: int) -> None:
     q, k, v = _inputs(heads, heads)
     jq, jk, jv, mask = _joint_inputs(heads)
     want_video, want_text = _joint_reference(q, k, v, jq, jk, jv, mask, seq_len)
     r, n = par.rank_in("sp"), S // par.size("sp")
     shard = [t[:, r * n:(r + 1) * n] for t in (q, k, v)]
-    fn = ulysses_attention if kind == "ulysses" else ring_attention
-    got_video, got_text = fn(*shard, par.group("sp"), D**-0.5, joint_q=jq, joint_k=jk, joint_v=jv,
+    got_video, got_text = fn(*shard, group, D**-0.5, joint_q=jq, joint_k=jk, joint_v=jv,
                              joint_mask=mask, seq_len=None if seq_len == S else seq_len)
     real = min(n, max(0, seq_len - r * n))  # this rank's real rows
     torch.testing.assert_close(got_video[:, :real], want_video[:, r * n:r * n + real], rtol=1e-5, atol=1e-5)
     assert not got_video[:, real:].any()  # padded rows come back as 0
     torch.testing.assert_close(got_text, want_text, rtol=1e-5, atol=1e-5)
-    texts = [torch.empty_like(got_text) for _ in range(2)]
+    texts = [torch.empty_like(got_text) for _ in range(par.size("sp"))]
     torch.distributed.all_gather(texts, got_text, group=par.group("sp"))
-    assert torch.equal(texts[0], texts[1])  # the replicated text output is the same bits on every rank
+    assert all(torch.equal(texts[0], t) for t in texts)  # the replicated text output: the same bits on every rank
 
 
 @pytest.mark.parametrize("fn", [ulysses_attention, ring_attention])
@@ -139,3 +155,9 @@ def test_masked_attention_leaves_out_padding():
 @pytest.mark.parametrize("kind", ["ulysses", "ring"])
 def test_joint_two_ranks_equal_one(kind):
     run_ranks(_check_joint, 2, kind)
+
+
+@pytest.mark.slow
+def test_ulysses_x_ring_on_four_ranks_equals_one():
+    """USP: Ulysses inside blocks of 2 neighbouring ranks, ring across the 2 blocks; 3 heads pad to 4 in Ulysses."""
+    run_ranks(_check_joint, 4, "usp", 4)
