@@ -55,21 +55,25 @@ def test_a_folder_without_the_checkpoint_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_sequence_parallel_run_matches_one_rank(tmp_path):
-    """--sp 2 under torchrun (ring attention, patch-parallel VAE) writes the same video as one rank (fp32: in bf16
-    the ranks' different reduction orders show, about 2/255 per pixel on these random weights)."""
-    one, two = tmp_path / "one.mp4", tmp_path / "two.mp4"
-    args = ("--video-size", "32", "32", "--video-length", "5", "--infer-steps", "2", "--vae-tiling", "--dtype", "fp32")
-    r1 = run(*args, "--output", one)
-    assert r1.returncode == 0, r1.stderr
-    r2 = run(*args, "--ring-degree", "2", "--output", two)
-    assert r2.returncode == 0, r2.stderr
-    assert "sp=2 (ulysses 1 x ring 2)" in r2.stdout
-    a, b = frames(one), frames(two)
-    assert a.shape == b.shape == (5, 32, 32, 3)
-    # The pipelines agree to ~3e-6 (fp32); one pixel whose 8-bit rounding flips can change the H.264 encoder's
-    # choices around it, so compare the decoded videos on average: a real mismatch moves every pixel.
-    assert np.abs(a - b).mean() < 0.5
+def test_sequence_and_cfg_parallel_runs_match_one_rank(tmp_path):
+    """With true CFG: --ring-degree 2 (ring attention, patch-parallel VAE) and --cfg-parallel (cond / uncond on two
+    ranks) under torchrun write the same video as one rank (fp32: in bf16 the ranks' different reduction orders
+    show, about 2/255 per pixel on these random weights)."""
+    args = ("--video-size", "32", "32", "--video-length", "5", "--infer-steps", "2", "--vae-tiling", "--dtype", "fp32",
+            "--true-cfg-scale", "3", "--negative-prompt", "blurry")
+    videos = {}
+    for name, extra, stamp in [("one", (), "sp=1"), ("ring", ("--ring-degree", "2"), "sp=2 (ulysses 1 x ring 2)"),
+                               ("cfg", ("--cfg-parallel",), "cfg=2")]:
+        r = run(*args, *extra, "--output", tmp_path / f"{name}.mp4")
+        assert r.returncode == 0, r.stderr
+        assert stamp in r.stdout
+        videos[name] = frames(tmp_path / f"{name}.mp4")
+    assert videos["one"].shape == (5, 32, 32, 3)
+    for name in ("ring", "cfg"):
+        # The pipelines agree to ~3e-6 (fp32); one pixel whose 8-bit rounding flips can change the H.264 encoder's
+        # choices around it, so compare the decoded videos on average: a real mismatch moves every pixel.
+        assert videos[name].shape == videos["one"].shape
+        assert np.abs(videos[name] - videos["one"]).mean() < 0.5, name
 
 
 @pytest.mark.parametrize("preset, ranks", [("tiny-cpu.yaml", 1), ("atlas-a3-720p.yaml", 8),
