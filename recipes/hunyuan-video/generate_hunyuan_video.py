@@ -115,7 +115,9 @@ def main(argv=None) -> int:
     from pipeline_hunyuan_video import MODEL_DIR, HunyuanVideoPipeline
     from text_encoder_hunyuan_video import TextEncoderConfig
     from tiny_hunyuan_video import write_tiny_checkpoint
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # per-tensor "Loading weights" bars; the denoising loop keeps its own
     parallel = init_parallel(ParallelLayout(cfg=a.cfg, sp=a.sp))
     try:
         root = a.weights or TINY
