@@ -98,9 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"sp={a.sp} x cfg={a.cfg} needs {a.sp * a.cfg} ranks, this run has {world}: launch through run.sh")
     a.text_encoder = preset.get("text_encoder") or {}
     a.vae_tiling = a.vae_tiling or bool(preset.get("vae_tiling", False))
+    for name, default in (("dtype", "bf16"), ("vae_dtype", "fp32")):
+        if preset.get(name, default) not in DTYPES:
+            p.error(f"--config {a.config.name}: {name} {preset[name]!r}, expected one of {sorted(DTYPES)}")
     a.dtype = DTYPES[a.dtype or preset.get("dtype", "bf16")]
-    if preset.get("vae_dtype", "fp32") not in DTYPES:
-        p.error(f"--config {a.config.name}: vae_dtype {preset['vae_dtype']!r}, expected one of {sorted(DTYPES)}")
     a.vae_dtype = DTYPES[preset.get("vae_dtype", "fp32")]
     return a
 
@@ -147,7 +148,8 @@ def main(argv=None) -> int:
         print(f"wrote {path} ({cfg.video_length} frames, {cfg.height}x{cfg.width}, 24 fps)")
         print(f"load {load_s:.2f} s | text encoders {out.timings['text_encoders']:.2f} s | denoise "
               f"{out.timings['denoise']:.2f} s ({cfg.infer_steps} steps, {skipped} skipped by cache={cfg.cache}) | "
-              f"vae decode {out.timings['vae_decode']:.2f} s | ranks sp={a.sp} (ulysses {a.ulysses_degree} x ring {a.ring_degree}) cfg={a.cfg}")
+              f"vae decode {out.timings['vae_decode']:.2f} s | ranks sp={a.sp} (ulysses {a.ulysses_degree} x ring "
+              f"{a.ring_degree}) cfg={a.cfg}")
     return 0
 
 

@@ -49,6 +49,13 @@ def test_bad_arguments_give_one_line_and_exit_2(args, needle):
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+def test_a_bad_preset_is_one_line(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("dtype: fp8\n")
+    r = run("--config", preset)
+    assert r.returncode == 2 and "dtype 'fp8'" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_a_folder_without_the_checkpoint_is_one_line(tmp_path):
     r = run("--weights", tmp_path)
     assert r.returncode == 2 and "transformers" in r.stderr and "Traceback" not in r.stderr
