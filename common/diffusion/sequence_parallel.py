@@ -70,9 +70,6 @@ def masked_attention(q, k, v, scale: float, return_lse: bool = False, q_mask=Non
     return (out, lse) if return_lse else out
 
 
-_attention = masked_attention  # the name the tests and older callers use
-
-
 def _valid_rows(seq_len: int | None, start: int, n: int, B: int, device) -> torch.Tensor | None:
     """[B, n] bool: which of positions [start, start + n) are < seq_len (None: all real)."""
     if seq_len is None:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+MODEL_DIR = "hunyuan-video-t2v-720p"  # the publisher's folder under ckpts/: transformers/ (DiT) and vae/
 REFINER_DEPTH = 2  # the publisher's SingleTokenRefiner depth (not a config field upstream)
 REFINER_MLP_RATIO = 4.0
 

@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 
 from common.loader import save_checkpoint
-from config_hunyuan_video import HunyuanVideoConfig
+from config_hunyuan_video import MODEL_DIR, HunyuanVideoConfig
 
-MODEL_DIR = "hunyuan-video-t2v-720p"
 SHARD_BYTES = 5 * 1024**3
 
 

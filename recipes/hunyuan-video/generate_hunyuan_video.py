@@ -113,7 +113,8 @@ def main(argv=None) -> int:
     from common.diffusion.media import write_mp4
     from common.loader import CheckpointError
     from common.parallel import ParallelLayout, destroy_parallel, init_parallel
-    from pipeline_hunyuan_video import MODEL_DIR, HunyuanVideoPipeline
+    from config_hunyuan_video import MODEL_DIR
+    from pipeline_hunyuan_video import HunyuanVideoPipeline
     from text_encoder_hunyuan_video import TextEncoderConfig
     from tiny_hunyuan_video import write_tiny_checkpoint
     from transformers.utils import logging as hf_logging

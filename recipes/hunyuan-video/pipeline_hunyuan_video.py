@@ -24,12 +24,12 @@ from common.diffusion.cfg_parallel import guided_prediction
 from common.diffusion.sequence_parallel import UlyssesRing, ulysses_ring_groups
 from common.diffusion.step_cache import StepCache
 from common.parallel import Parallel
+from config_hunyuan_video import MODEL_DIR
 from sampling_hunyuan_video import SamplingConfig
 from text_encoder_hunyuan_video import HunyuanVideoTextEncoders, TextEncoderConfig
 from vae_hunyuan_video import load_vae
 from weights_hunyuan_video import load_transformer
 
-MODEL_DIR = "hunyuan-video-t2v-720p"
 
 
 def sp_mode(parallel: Parallel | None, ulysses_degree: int, ring_degree: int) -> str | UlyssesRing:

@@ -18,10 +18,10 @@ import torch
 from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
 
 from common.loader import write_tokenizer
+from config_hunyuan_video import MODEL_DIR
 from vae_hunyuan_video import write_tiny_vae
 from weights_hunyuan_video import write_tiny_transformer
 
-MODEL_DIR = "hunyuan-video-t2v-720p"
 LLM_SPECIAL = {"bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "pad": "<|finetune_right_pad_id|>",
                "start_header": "<|start_header_id|>", "end_header": "<|end_header_id|>", "eot": "<|eot_id|>"}
 CLIP_SPECIAL = {"bos": "<|startoftext|>", "eos": "<|endoftext|>"}

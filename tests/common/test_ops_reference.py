@@ -301,7 +301,7 @@ def naive_gating(logits, k, bias, score_func, groups, k_group, renorm, rsf, eps=
         "sqrtsoftplus": lambda row: [math.sqrt(math.log1p(math.exp(x))) for x in row],
     }
     weights, indices = [], []
-    for t, row in enumerate(logits.double().tolist()):
+    for row in logits.double().tolist():
         scores = funcs[score_func](row)
         biased = [s + (float(bias[e]) if bias is not None else 0.0) for e, s in enumerate(scores)]
         size = len(row) // groups

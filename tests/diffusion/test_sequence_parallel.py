@@ -8,7 +8,6 @@ from dist_helpers import run_ranks
 
 from common import parallel
 from common.diffusion.sequence_parallel import (
-    _attention,
     masked_attention,
     ring_attention,
     ulysses_attention,
@@ -29,7 +28,7 @@ def _check_ranks(kind: str, heads: int, kv_heads: int) -> None:
     par = parallel.init_parallel(parallel.ParallelLayout(sp=2), timeout_s=30)
     try:
         q, k, v = _inputs(heads, kv_heads)
-        want = _attention(q, k, v, scale=D**-0.5)  # [B, S, Hq, D] on one rank
+        want = masked_attention(q, k, v, scale=D**-0.5)  # [B, S, Hq, D] on one rank
         r, n = par.rank_in("sp"), S // par.size("sp")
         shard = [t[:, r * n:(r + 1) * n] for t in (q, k, v)]  # [B, S/P, H, D]
         fn = ulysses_attention if kind == "ulysses" else ring_attention
@@ -41,7 +40,7 @@ def _check_ranks(kind: str, heads: int, kv_heads: int) -> None:
 
 def test_single_rank_is_plain_attention():
     q, k, v = _inputs(4, 4)
-    want = _attention(q, k, v, scale=0.3)
+    want = masked_attention(q, k, v, scale=0.3)
     torch.testing.assert_close(ulysses_attention(q, k, v, None, scale=0.3), want)
     torch.testing.assert_close(ring_attention(q, k, v, None, scale=0.3), want)
 
@@ -50,7 +49,7 @@ def test_attention_matches_sdpa():
     q, k, v = _inputs(4, 2)
     kr, vr = (t.repeat_interleave(2, dim=2) for t in (k, v))
     want = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, kr, vr))).transpose(1, 2)
-    torch.testing.assert_close(_attention(q, k, v, scale=D**-0.5), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(masked_attention(q, k, v, scale=D**-0.5), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -106,7 +105,7 @@ def _check_joint(kind: str, world: int = 2) -> None:
         q, k, v = _inputs(3, 3)  # no text
         r, n = par.rank_in("sp"), S // world
         got = fn(*(t[:, r * n:(r + 1) * n] for t in (q, k, v)), group, D**-0.5)
-        torch.testing.assert_close(got, _attention(q, k, v, D**-0.5)[:, r * n:(r + 1) * n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, masked_attention(q, k, v, D**-0.5)[:, r * n:(r + 1) * n], rtol=1e-5, atol=1e-5)
     finally:
         parallel.destroy_parallel()
 
