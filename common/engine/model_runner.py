@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from common import backend
+from common import backend, cpu_gemm
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
@@ -20,6 +20,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
             backend.keep_freed_host_memory()
+            cpu_gemm.pack_linears(model)  # bf16 weights in oneDNN's layout (a no-op for fp32 models)
         self.specs = model.cache_specs(config.block_size)
         num_blocks = config.num_blocks or self._blocks_that_fit()
         self.num_blocks = {s.name: num_blocks for s in self.specs}

@@ -60,6 +60,25 @@ def active_bytes_per_token(model) -> int:
     return total
 
 
+GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")  # the weight GEMMs of a CPU decode step
+
+
+def gemm_seconds_per_step(llm: LLM, batch: int, vocab: int, steps: int = 8) -> float:
+    """Seconds a decode step of `batch` sequences (128-token prompts) spends inside weight-GEMM kernels: the
+    torch profiler's self time of those ops over `steps` real engine steps (real routing), per step."""
+    engine = llm.engine
+    for p in prompts(batch, 128, vocab, seed=5):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True))
+    engine.step()  # the prefill
+    engine.step()
+    with torch.profiler.profile() as prof:
+        for _ in range(steps):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / steps / 1e6
+
+
 def prompts(n: int, length: int | list[int], vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = length if isinstance(length, list) else [length] * n
@@ -130,6 +149,7 @@ def main():
     bw = read_bandwidth()
     per_token = active_bytes_per_token(model)
     roofline = bw / per_token
+    floors = {bs: gemm_seconds_per_step(llm, bs, args.vocab_size) for bs in (1, 16)}  # GEMM s / step
     print(f"\nDeepSeek-V4 bench checkpoint: {n_params / 1e6:.0f}M parameters, {per_token / 2**20:.0f} MiB active "
           f"weights per token (bf16); {a.threads} threads; {platform.processor() or platform.machine()}; "
           f"read bandwidth {bw / 1e9:.1f} GB/s -> batch-1 roofline {roofline:.1f} tok/s")
@@ -138,9 +158,14 @@ def main():
         print(f"{name:<30}{ours_v:>12.1f}{theirs_v:>14.1f}{ours_v / theirs_v:>7.2f}x")
     b1_ours, b1_hf = rows[0][1], rows[0][2]
     print(f"{'batch-1 roofline tok/s':<30}{roofline:>12.1f}{'':>14}")
+    for (name, ours_v, theirs_v), bs in zip(rows, (1, 16)):  # what the GEMMs alone allow
+        floor = floors[bs]
+        print(f"batch {bs}: GEMMs alone take {floor * 1e3:.1f} ms a step ({bs / floor:.1f} tok/s): at most "
+              f"{bs / floor / theirs_v:.2f}x transformers if nothing else took time; the engine's step is "
+              f"{bs / ours_v * 1e3:.1f} ms, transformers' {bs / theirs_v * 1e3:.1f} ms")
     print(f"ratios: batch1 {rows[0][1] / rows[0][2]:.2f}x, batch16 {rows[1][1] / rows[1][2]:.2f}x, "
           f"mixed {rows[2][1] / rows[2][2]:.2f}x vs transformers; batch-1 decode at {roofline / b1_ours:.1f}x the "
-          f"roofline step time (transformers {roofline / b1_hf:.1f}x)")
+          f"roofline step time (transformers {roofline / b1_hf:.1f}x; the GEMMs alone {roofline * floors[1]:.1f}x)")
 
 
 if __name__ == "__main__":

@@ -172,6 +172,22 @@ def test_paged_attention_k_equals_v():
     close(got, ref.attention(q, k, k, cu([2, 1]), cu([5, 3]), 0.3))
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(sliding_window=3), dict(sliding_window=9), dict(sinks=torch.randn(4))])
+@pytest.mark.parametrize("shared_kv", [False, True])
+def test_paged_attention_decode_batch_equals_attention(kw, shared_kv):
+    """One new token per sequence takes the gathered-pages decode path; it must match dense attention."""
+    kv_lens = [7, 1, 5, 12]
+    k, v, k_cache, v_cache, table = paged_setup(kv_lens, dv=8 if shared_kv else 6)
+    v, v_cache = (k, None) if shared_kv else (v, v_cache)
+    q = torch.randn(len(kv_lens), 4, 8)
+    ones = cu([1] * len(kv_lens))
+    got = ref.paged_attention(q, k_cache, v_cache, table, torch.tensor(kv_lens, dtype=torch.int32), ones, 0.3,
+                              return_lse=True, **kw)
+    want = ref.attention(q, k, v, ones, cu(kv_lens), 0.3, return_lse=True, **kw)
+    close(got[0], want[0])
+    close(got[1], want[1])
+
+
 @pytest.mark.parametrize("with_v", [True, False])
 def test_reshape_and_cache(with_v):
     k, v = torch.randn(5, 2, 4), torch.randn(5, 2, 3)
@@ -289,6 +305,8 @@ def test_lightning_indexer_ties_are_deterministic():
         alone = ref.lightning_indexer(q[row], k, w[row], cu([1]), cu_k[b : b + 2], visible[row], topk=8)
         assert torch.equal(alone, batched[t : t + 1])
     assert batched[2].tolist() == [40, 41, 42, -1, -1, -1, -1, -1]  # all-zero ties, visible 3 < topk
+    decodes = ref.lightning_indexer(q[[1, 4]], k, w[[1, 4]], cu([1, 1]), cu_k, visible[[1, 4]], topk=8)
+    assert torch.equal(decodes, batched[[1, 4]])  # a decode batch (one query per sequence) picks the same rows
 
 
 # ---------------------------------------------------------------- MoE

@@ -46,23 +46,31 @@ def _attend(q, k, v, seqs, causal: bool, sliding_window: int | None, scale: floa
     return out, lse.permute(0, 2, 1, 3).reshape(B, Qm, Hq)[q_valid]
 
 
-def _attend_fused(q, k, v, seq, causal: bool, scale: float):
+def _attend_fused(q, k, v, seq, causal: bool, sliding_window: int | None, scale: float):
     """One sequence through torch's fused CPU attention (flash-style, fp32 accumulation, returns the LSE).
-    -> out [Q, Hq, Dv] (q.dtype), lse [Q, Hq] fp32."""
+    Its causal mask is top-left aligned, ours bottom-right: chunks of a longer sequence and sliding windows
+    pass an additive mask instead. -> out [Q, Hq, Dv] (q.dtype), lse [Q, Hq] fp32."""
     (qs, qe), (ks, ke) = seq
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q[qs:qe], k[ks:ke], v[ks:ke]))  # [1, H, L, D]
     if kh.shape[1] != qh.shape[1]:
         kh, vh = (t.repeat_interleave(qh.shape[1] // kh.shape[1], dim=1) for t in (kh, vh))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, causal, scale=scale)[:2]
+    mask = None
+    if causal and (sliding_window is not None or qe - qs != ke - ks):
+        pos = torch.arange(ke - ks - (qe - qs), ke - ks, device=q.device)[:, None]  # [Q, 1] query positions
+        ka = torch.arange(ke - ks, device=q.device)  # [K]
+        visible = ka <= pos if sliding_window is None else (ka <= pos) & (pos - ka < sliding_window)  # [Q, K]
+        mask, causal = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf")), False
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qh, kh, vh, 0.0, causal, attn_mask=mask, scale=scale)[:2]
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)  # [Q, Hq, Dv], [Q, Hq]
 
 
 def _fused_ok(q, k, v, seq, causal: bool, sliding_window: int | None) -> bool:
-    """The fused CPU kernel applies: no window, same q / v head dims, and causal only when the query rows are the
-    whole sequence (its causal mask is top-left aligned, ours bottom-right)."""
-    (qs, qe), (ks, ke) = seq
-    return (q.device.type == "cpu" and sliding_window is None and q.shape[-1] == v.shape[-1]
-            and (not causal or qe - qs == ke - ks) and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    """The fused CPU kernel applies: same q / v head dims, and every query row sees a key (a causal window of
+    at least 1 keeps the query's own position; other windows could leave a row empty)."""
+    window_ok = sliding_window is None or (causal and sliding_window >= 1)
+    return (q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and window_ok
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 def apply_attention_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -109,7 +117,7 @@ def attention(
     fused = [s for s in prefills if _fused_ok(q, k, v, s, causal, sliding_window)]
     for seq in fused:  # one sequence at a time, torch's fused kernel
         (qs, qe), _ = seq
-        o, lse[qs:qe] = _attend_fused(q, k, v, seq, causal, scale)
+        o, lse[qs:qe] = _attend_fused(q, k, v, seq, causal, sliding_window, scale)
         out[qs:qe] = o.float()
     batches = ([decodes] if decodes else []) + [[s] for s in prefills if s not in fused]  # no padding blow-up
     for batch in batches:
@@ -149,6 +157,12 @@ def paged_attention(
     k_cache [num_blocks, block_size, Hkv, D], v_cache [num_blocks, block_size, Hkv, Dv] (None: V = K),
     block_tables [B, max_blocks] int32, seq_lens [B] int32 = kv length of each sequence, new tokens included.
     """
+    if q.shape[0] == seq_lens.shape[0] and (cu_seqlens_q[1:] - cu_seqlens_q[:-1] == 1).all():
+        out, lse = _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+        if sinks is not None:
+            out = apply_attention_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
     ends, q_lens = seq_lens.tolist(), (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     starts = [0] * len(ends)
     if sliding_window is not None:  # keys older than every query's window are never read
@@ -158,6 +172,27 @@ def paged_attention(
     kv_lens = torch.tensor([e - s for s, e in zip(starts, ends)], device=seq_lens.device)
     cu_seqlens_k = F.pad(kv_lens.cumsum(0), (1, 0)).int()  # [B+1]
     return attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, sliding_window, sinks, return_lse)
+
+
+def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int | None):
+    """One new token per sequence (B = T): its visible keys gathered straight from the pages into one padded
+    batch, one GEMM per KV head group. -> fp32 out [B, Hq, Dv], lse [B, Hq]."""
+    B, Hq, _ = q.shape
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    ends = seq_lens.long()  # [B] the new token sits at position end - 1 and sees keys [start, end)
+    starts = (ends - sliding_window).clamp(min=0) if sliding_window is not None else torch.zeros_like(ends)
+    ka = torch.arange(int((ends - starts).max()), device=q.device)  # [Km]
+    pos = starts[:, None] + ka  # [B, Km]
+    valid = pos < ends[:, None]  # [B, Km]
+    pos = torch.where(valid, pos, starts[:, None])  # padding reads a real slot, masked below
+    slots = block_tables.gather(1, pos // block_size).long() * block_size + pos % block_size  # [B, Km]
+    kp = k_cache.flatten(0, 1)[slots].float()  # [B, Km, Hkv, D]
+    vp = kp if v_cache is None else v_cache.flatten(0, 1)[slots].float()  # [B, Km, Hkv, Dv]
+    qg = q.float().view(B, Hkv, Hq // Hkv, -1)  # [B, Hkv, G, D]
+    scores = (qg @ kp.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, Km]
+    probs, lse = _masked_softmax(scores, valid[:, None, None, :])
+    out = probs @ vp.permute(0, 2, 1, 3)  # [B, Hkv, G, Dv]
+    return out.reshape(B, Hq, -1), lse.reshape(B, Hq)
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:

@@ -30,9 +30,26 @@ def lightning_indexer(
                 rows = _topk_rows(q[qs:qe], k[ks:ke], weights[qs:qe], 0, visible[qs:qe], topk)  # local rows
                 out[qs:qe] = torch.where(rows >= 0, rows + ks, -1)
         return out
+    if T == B and bool((cu_seqlens_q[1:] - cu_seqlens_q[:-1] == 1).all()):  # decodes: one query per sequence
+        return _decode_topk(q, k, weights, cu_seqlens_k.long(), visible, topk)
     token = torch.arange(T, device=q.device)
     seq = torch.searchsorted(cu_seqlens_q[1:].long(), token, right=True)  # [T] sequence of each query
     return _topk_rows(q, k, weights, cu_seqlens_k.long()[seq][:, None], visible, topk)
+
+
+def _decode_topk(q, k, weights, cu_k, visible, topk: int) -> torch.Tensor:
+    """One query per sequence, scored against its own sequence's keys only (padded to the longest). [B, topk]"""
+    counts = torch.minimum(cu_k[1:] - cu_k[:-1], visible.long())  # [B] keys each query may see
+    if not k.shape[0] or not int(counts.max()):
+        return torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
+    ka = torch.arange(int(counts.max()), device=q.device)  # [W]
+    allowed = ka < counts[:, None]  # [B, W]
+    rows = torch.where(allowed, cu_k[:-1, None] + ka, 0)  # [B, W] global rows (row 0 pads, masked below)
+    scores = torch.einsum("bhd,bwd->bhw", q.float(), k[rows].float()).relu()  # [B, H, W]
+    scores = torch.einsum("bhw,bh->bw", scores, weights.float()).masked_fill(~allowed, float("-inf"))  # [B, W]
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]  # [B, min(topk, W)]
+    picked = torch.where(allowed.gather(1, order), rows.gather(1, order), -1)
+    return F.pad(picked, (0, topk - picked.shape[1]), value=-1).int()  # [B, topk]
 
 
 def _topk_rows(q, k, weights, start, visible, topk: int) -> torch.Tensor:

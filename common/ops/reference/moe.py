@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common import cpu_gemm
+
 SCORE_FUNCS = {
     "softmax": lambda x: x.softmax(dim=-1),
     "sigmoid": torch.sigmoid,
@@ -81,12 +83,14 @@ def moe_finalize_routing(
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """Per expert e: y_e = x_e @ weight[e].T; x [M, K] sorted by expert, weight [E, N, K] (nn.Linear) -> [M, N]."""
-    out = x.new_zeros(x.shape[0], weight.shape[1])  # [M, N]
+    """Per expert e: y_e = x_e @ weight[e].T; x [M, K] sorted by expert, weight [E, N, K] (nn.Linear) -> [M, N].
+    Uses the oneDNN-packed experts where common.cpu_gemm.pack_linears prepared them (same results)."""
+    out = x.new_empty(x.shape[0], weight.shape[1])  # [M, N]
+    packed = cpu_gemm.packed_experts(weight) if x.dtype == weight.dtype else None
     ends = tokens_per_expert.cumsum(0).tolist()
     for e, (start, end) in enumerate(zip([0] + ends, ends)):
         if end > start:
-            out[start:end] = x[start:end] @ weight[e].T
+            out[start:end] = x[start:end] @ weight[e].T if packed is None else cpu_gemm.linear(x[start:end], packed[e])
     return out
 
 
