@@ -59,7 +59,8 @@ def _attend_fused(q, k, v, seq, causal: bool, sliding_window: int | None, scale:
         pos = torch.arange(ke - ks - (qe - qs), ke - ks, device=q.device)[:, None]  # [Q, 1] query positions
         ka = torch.arange(ke - ks, device=q.device)  # [K]
         visible = ka <= pos if sliding_window is None else (ka <= pos) & (pos - ka < sliding_window)  # [Q, K]
-        mask, causal = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf")), False
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+        causal = False  # the mask says it all
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qh, kh, vh, 0.0, causal, attn_mask=mask, scale=scale)[:2]
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)  # [Q, Hq, Dv], [Q, Hq]
