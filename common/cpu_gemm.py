@@ -6,7 +6,8 @@ bit-identical results (the same kernel, minus its per-call reorder). `pack_linea
 - swaps every bf16 `nn.Linear` for a `PackedLinear` that keeps the same `weight` Parameter, so parameter
   names, `state_dict` and code reading `.weight` are unchanged;
 - packs every stacked bf16 expert weight [E, N, K] expert by expert, for `ops.grouped_matmul`.
-A packed weight is repacked when its Parameter was changed in place (tracked by the tensor version counter).
+A packed weight is repacked when its Parameter changed: in place (the tensor version counter) or by a new
+`.data` (its storage); a Parameter that is no longer bf16 on CPU (`model.float()`) takes the plain GEMM.
 The packed copies sit beside the originals: the CPU path holds its bf16 weights twice.
 NPU and CUDA keep their own GEMMs; this module is a no-op there, and where torch has no oneDNN.
 """
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED_ATTR = "_onednn_packed"  # on a stacked [E, N, K] Parameter: (version, [packed expert weights])
+PACKED_ATTR = "_onednn_packed"  # on a stacked [E, N, K] Parameter: (stamp, [packed expert weights])
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -27,6 +28,11 @@ def available(weight: torch.Tensor) -> bool:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16 -> oneDNN's blocked layout (an opaque mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)  # 16: a decode-sized batch hint
+
+
+def stamp(weight: torch.Tensor) -> tuple[int, int]:
+    """What a packed copy was made from: in-place writes bump the version, a new `.data` moves the storage."""
+    return weight._version, weight.data_ptr()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,13 +47,13 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self._packed, self._version = pack(self.weight), self.weight._version
+        self._packed, self._stamp = pack(self.weight), stamp(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype:
+        if x.dtype != self.weight.dtype or not available(self.weight):
             return F.linear(x, self.weight, self.bias)
-        if self._version != self.weight._version:
-            self._packed, self._version = pack(self.weight), self.weight._version
+        if self._stamp != stamp(self.weight):
+            self._packed, self._stamp = pack(self.weight), stamp(self.weight)
         return linear(x, self._packed, self.bias)
 
     def extra_repr(self) -> str:
@@ -57,10 +63,10 @@ class PackedLinear(nn.Module):
 def packed_experts(weight: torch.Tensor) -> list[torch.Tensor] | None:
     """The packed experts of a stacked weight [E, N, K] that `pack_linears` prepared, kept current; else None."""
     entry = getattr(weight, PACKED_ATTR, None)
-    if entry is None:
+    if entry is None or not available(weight):
         return None
-    if entry[0] != weight._version:
-        entry = weight._version, [pack(w) for w in weight]
+    if entry[0] != stamp(weight):
+        entry = stamp(weight), [pack(w) for w in weight]
         setattr(weight, PACKED_ATTR, entry)
     return entry[1]
 
@@ -78,6 +84,6 @@ def pack_linears(model: nn.Module) -> int:
             continue
         for p in module.parameters(recurse=False):
             if p.dim() == 3 and available(p) and not hasattr(p, PACKED_ATTR):
-                setattr(p, PACKED_ATTR, (p._version, [pack(w) for w in p]))
+                setattr(p, PACKED_ATTR, (stamp(p), [pack(w) for w in p]))
                 count += 1
     return count

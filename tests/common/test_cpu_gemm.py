@@ -54,6 +54,18 @@ def test_in_place_weight_update_repacks():
     assert torch.equal(ref.grouped_matmul(x, model.experts, counts), ref.grouped_matmul(x, plain.experts, counts))
 
 
+def test_new_data_and_dtype_changes_are_followed():
+    model, plain = bf16_model(), bf16_model()
+    cpu_gemm.pack_linears(model)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    new = torch.randn(96, 64, dtype=torch.bfloat16)
+    model.proj.weight.data, plain.proj.weight.data = new, new.clone()  # same version counter, new storage
+    assert torch.equal(model(x), plain(x))
+    model.float(), plain.float()  # no longer bf16: the plain GEMM
+    assert torch.equal(model(x.float()), plain(x.float()))
+    assert cpu_gemm.packed_experts(model.experts) is None
+
+
 def test_grouped_matmul_with_packed_experts_equals_plain():
     model, plain = bf16_model(), bf16_model()
     cpu_gemm.pack_linears(model)
