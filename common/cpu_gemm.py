@@ -13,6 +13,8 @@ NPU and CUDA keep their own GEMMs; this module is a no-op there, and where torch
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,9 +22,13 @@ from torch import nn
 PACKED_ATTR = "_onednn_packed"  # on a stacked [E, N, K] Parameter: (stamp, [packed expert weights])
 
 
+@functools.cache
+def _onednn() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 def available(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
