@@ -208,7 +208,8 @@ class Attention(nn.Module):
                 idx = visible_entries(batch, cu_entries, self.ratio)  # [T, max visible]
             idx = idx[:, : max(int((idx >= 0).sum(1).max()), 1)]  # drop all-empty columns
             if entries.shape[0]:
-                oc, lsec = ops.sparse_attention(q, entries[:, None], entries[:, None], idx, self.scale, return_lse=True)
+                kv_entries = entries[:, None]  # [C, 1, Dh], K = V: one object, gathered once
+                oc, lsec = ops.sparse_attention(q, kv_entries, kv_entries, idx, self.scale, return_lse=True)
                 o, lse = ops.merge_attention_states(o, lse, oc, lsec)
         o = ops.apply_attention_sinks(o, lse, self.attn_sink)  # [T, H, Dh]
         o = self.rope(o, cos, -sin)  # undo the keys' rotation carried into the values
@@ -283,7 +284,8 @@ class SharedExpert(nn.Module):
 
 def hc_pre(x, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
     """mHC weights from the n streams. x [T, n, D] -> (collapsed [T, D], post [T, n], comb [T, n, n])."""
-    flat = ops.rms_norm(x.flatten(1).float(), None, norm_eps)  # [T, n*D]
+    x32 = x.flatten(1).float()  # [T, n*D]; read again for the collapse (a bf16 * fp32 product converts per element)
+    flat = ops.rms_norm(x32, None, norm_eps)  # [T, n*D]
     pre, post, comb = F.linear(flat, fn.float()).split([n, n, n * n], -1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
     pre = torch.sigmoid(pre * scale[0] + pre_b) + eps  # [T, n]
@@ -294,7 +296,7 @@ def hc_pre(x, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
     for _ in range(iters - 1):  # Sinkhorn-Knopp: towards a doubly-stochastic matrix
         comb = comb / (comb.sum(-1, keepdim=True) + eps_t)
         comb = comb / (comb.sum(-2, keepdim=True) + eps_t)
-    collapsed = (pre.unsqueeze(-1) * x).sum(1).to(x.dtype)  # [T, D]
+    collapsed = (pre.unsqueeze(-1) * x32.view(x.shape)).sum(1).to(x.dtype)  # [T, D]
     return collapsed, post, comb
 
 

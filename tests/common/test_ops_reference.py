@@ -231,6 +231,16 @@ def test_sparse_attention(hkv):
     assert not out.isnan().any()
 
 
+def test_sparse_attention_shared_kv_equals_a_separate_copy():
+    """K = V models pass one tensor as k and v (gathered once): the same result as two equal tensors."""
+    q, kv = torch.randn(5, 4, 8), torch.randn(12, 1, 8)
+    indices = torch.tensor([[3, -1, 7, 0], [-1, -1, -1, -1], [9, 8, 1, 2], [5, -1, -1, 6], [11, 10, 4, -1]])
+    out, lse = ref.sparse_attention(q, kv, kv, indices, 0.5, return_lse=True)
+    want_out, want_lse = naive_sparse(q, kv, kv.clone(), indices, 0.5)
+    close(out, want_out)
+    close(lse, want_lse)
+
+
 def test_merge_of_split_keys_equals_union():
     q, k, v = torch.randn(3, 2, 8), torch.randn(8, 2, 8), torch.randn(8, 2, 4)
     part_a = torch.tensor([[0, 2, 5, -1], [-1, -1, -1, -1], [7, 6, -1, -1]])  # row 1 sees nothing in part a

@@ -213,17 +213,18 @@ def sparse_attention(
 ):
     """Each query attends only to its listed rows of k / v.
 
-    q [T, H, D], k [N, Hkv, D], v [N, Hkv, Dv], indices [T, K] global rows (-1 = empty slot).
+    q [T, H, D], k [N, Hkv, D], v [N, Hkv, Dv] (the same tensor as k for K = V models: its rows are gathered once),
+    indices [T, K] global rows (-1 = empty slot).
     Returns out [T, H, Dv] (q.dtype) and, with return_lse, lse [T, H] fp32.
     """
     T, H, _ = q.shape
     Hkv = k.shape[1]
     valid = indices >= 0  # [T, K]
     rows = indices.clamp(min=0).long()  # [T, K]
-    k_sel = k[rows].float().permute(0, 2, 3, 1)  # [T, Hkv, D, K]
-    v_sel = v[rows].float().permute(0, 2, 1, 3)  # [T, Hkv, K, Dv]
+    k_sel = k[rows].float().transpose(1, 2)  # [T, Hkv, K, D]
+    v_sel = k_sel if v is k else v[rows].float().transpose(1, 2)  # [T, Hkv, K, Dv]; K = V models gather once
     qg = q.float().view(T, Hkv, H // Hkv, -1)  # [T, Hkv, G, D]
-    scores = (qg @ k_sel) * scale  # [T, Hkv, G, K]
+    scores = (qg @ k_sel.transpose(-1, -2)) * scale  # [T, Hkv, G, K]
     probs, lse = _masked_softmax(scores, valid[:, None, None, :])
     out = (probs @ v_sel).reshape(T, H, -1).to(q.dtype)  # [T, H, Dv]
     return (out, lse.reshape(T, H)) if return_lse else out
