@@ -162,7 +162,7 @@ def test_logprobs_of_raw_logits():
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "1"), ("top_p", 0.0), ("top_p", 1.5),
-    ("top_k", -2), ("top_k", 2.5), ("max_tokens", 0), ("logprobs", -1), ("logprobs", 21), ("seed", 1.5),
+    ("top_k", -2), ("top_k", 2.5), ("max_tokens", -1), ("prompt_logprobs", 21), ("logprobs", -1), ("logprobs", 21), ("seed", 1.5),
     ("stop", ""), ("stop", ["ok", ""]), ("stop", 3), ("stop_token_ids", [1, "2"]), ("stop_token_ids", [-1]),
     ("ignore_eos", 1),
 ])
