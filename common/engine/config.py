@@ -1,10 +1,15 @@
-"""Engine settings, one checked dataclass (nano-vllm style): the user-facing API passes keyword arguments."""
+"""Engine settings, one checked, frozen dataclass (nano-vllm style): the user-facing API passes keyword arguments.
+
+The engine resolves a config against its model and cache once, before anything is sized from it
+(`resolve`, `fit_cache`), and never changes it afterwards: every later reader sees the numbers the cache has.
+"""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 32  # running requests at once
     max_num_batched_tokens: int = 1024  # tokens (prefill chunks + decodes) per step
@@ -17,15 +22,32 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks < 2):
+            raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {self.num_blocks!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_num_batched_tokens < self.max_model_len:
+            # a prompt (or a preempted request's recompute) must fit one step: it could never run otherwise
+            raise ValueError(f"with enable_chunked_prefill off, max_num_batched_tokens ({self.max_num_batched_tokens})"
+                             f" must be >= max_model_len ({self.max_model_len}): raise max_num_batched_tokens, lower "
+                             "max_model_len, or enable chunked prefill")
+
+    def resolve(self, model_max_len: int) -> "EngineConfig":
+        """This config with max_model_len set: the configured value capped at the model's (checked again)."""
+        return dataclasses.replace(self, max_model_len=min(self.max_model_len or model_max_len, model_max_len))
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> tuple["EngineConfig", dict]:
         """Split keyword arguments into this config and the rest."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items() if k not in names}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

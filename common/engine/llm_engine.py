@@ -1,21 +1,31 @@
-"""The engine step loop shared by offline generation and the server: schedule, forward, sample, update."""
+"""The engine step loop shared by offline generation and the server: schedule, forward, sample, update.
+
+A step whose forward (or sampling) raises fails the requests it scheduled, not the engine: they finish with
+finish_reason "error" and the message, their KV blocks are freed, and the next step serves the others.
+"""
 from __future__ import annotations
 
+import collections
+import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import torch
 
 from common.kv_cache import KVCacheManager
 
 from .config import EngineConfig
-from .model_runner import ModelRunner
+from .detokenizer import IncrementalDetokenizer, find_stop
+from .model_runner import ModelRunner, blocks_that_fit
 from .request import Request
-from .sampler import Sampler, TokenLogprobs
+from .sampler import Sampler, TokenLogprobs, token_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+RECENT_STEPS = 1024  # EngineStats.recent_step_tokens keeps this many
 
 
 @dataclass
@@ -26,9 +36,11 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (the first has none), when asked
+    error: str | None = None  # finish_reason "error": what failed
 
 
 @dataclass
@@ -38,28 +50,35 @@ class EngineStats:
     prefill_time: float = 0.0  # seconds in steps that ran prefill tokens
     decode_time: float = 0.0  # seconds in decode-only steps
     steps: int = 0
-    step_tokens: list[int] = field(default_factory=list)
+    step_errors: int = 0  # steps whose forward or sampling raised
+    consecutive_step_errors: int = 0  # since the last step that succeeded
+    recent_step_tokens: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_STEPS))  # tokens of the last steps
 
 
 class LLMEngine:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None):
         self.model, self.tokenizer = model, tokenizer
-        self.config = config or EngineConfig()
-        model_len = model.args.max_position_embeddings
-        self.config.max_model_len = min(self.config.max_model_len or model_len, model_len)
-        self.runner = ModelRunner(model, self.config)
-        capacity = (min(self.runner.num_blocks.values()) - 1) * self.config.block_size
-        if capacity < self.config.max_model_len:  # one request must always fit in the whole cache
+        config = (config or EngineConfig()).resolve(model.args.max_position_embeddings)
+        num_blocks = config.num_blocks or blocks_that_fit(model, config)
+        capacity = (num_blocks - 1) * config.block_size
+        if capacity < config.max_model_len:  # one request must always fit in the whole cache
             logger.warning("the KV cache holds %d tokens: max_model_len lowered from %d", capacity,
-                           self.config.max_model_len)
-            self.config.max_model_len = capacity
-        self.kv_cache = KVCacheManager(self.runner.specs, self.runner.num_blocks, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.kv_cache)
+                           config.max_model_len)
+            config = dataclasses.replace(config, max_model_len=capacity)
+        self.config = config  # final: the cache is sized from these numbers and they never change
+        self.runner = ModelRunner(model, config, num_blocks)
+        self.kv_cache = KVCacheManager(self.runner.specs, self.runner.num_blocks, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache)
         self.sampler = Sampler()
         self.eos_token_ids = set(model.args.eos_token_ids)
-        self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The unfinished requests by id (the scheduler's; read-only use)."""
+        return self.scheduler.requests
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queue a prompt (text, tokenized as is, or token ids). ValueError when it can never run."""
@@ -81,15 +100,12 @@ class LLMEngine:
         return Request(request_id, ids, params, prompt if isinstance(prompt, str) else None)
 
     def add(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.requests[req.request_id] = req
+        """Queue a request made by make_request. ValueError for an id in use."""
         self.scheduler.add(req)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=req.prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        if req is not None and not req.finished:
-            self.scheduler.finish(req, "abort")
+        self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -102,29 +118,67 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the next waiting request cannot be scheduled with an empty batch")
             return []
-        decodes = sum(1 for r, n in plan.scheduled if n == 1 and r.output_token_ids)
-        tables = [self.kv_cache.block_table(r.request_id) for r, _ in plan.scheduled]
-        logits = self.runner.execute(plan.scheduled, tables)
-        sampling = [r for r, n in plan.scheduled if r.num_computed_tokens + n == r.num_tokens]
-        sampled = self.sampler(logits, [r.sampling_params for r in sampling], [r.generator for r in sampling])
-        for req, n in plan.scheduled:
-            req.num_computed_tokens += n
-            self.kv_cache.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        try:
+            sampled, prompt_logprobs = self._forward(plan)
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            return self._fail_step(plan, e)
+        self.stats.consecutive_step_errors = 0
+        decodes = sum(1 for s in plan.scheduled if s.num_new_tokens == 1 and s.request.output_token_ids)
+        self.scheduler.update_from_output(plan)
         outputs = []
-        for i, req in enumerate(sampling):
+        sampling = [s for s in plan.scheduled if s.sample]
+        for s, lps in zip(plan.scheduled, prompt_logprobs):
+            if lps is not None:
+                s.request.prompt_logprobs += lps
+            if s.end == s.request.num_tokens and not s.sample:  # max_tokens 0: the prompt was all there was to do
+                self.scheduler.finish(s.request, "length")
+                outputs.append(self._output(s.request))
+        for i, s in enumerate(sampling):
+            req = s.request
             req.output_token_ids.append(sampled.token_ids[i])
             if sampled.logprobs is not None and sampled.logprobs[i] is not None:
                 req.output_logprobs.append(sampled.logprobs[i])
             self._check_stop(req)
             outputs.append(self._output(req))
-        dt = time.perf_counter() - t0
-        self._account(plan.num_tokens, plan.num_tokens - decodes, len(sampling), dt)
+        self._account(plan.num_tokens, plan.num_tokens - decodes, len(sampling), time.perf_counter() - t0)
+        return outputs
+
+    def _forward(self, plan: SchedulerOutput):
+        """Run the model and the sampler for a step: (sampler output, per scheduled request its new prompt
+        log-probs or None)."""
+        tables = [self.kv_cache.block_table(s.request.request_id) for s in plan.scheduled]
+        result = self.runner.execute(plan.scheduled, tables)
+        sampling = [s.request for s in plan.scheduled if s.sample]
+        sampled = self.sampler(result.logits, [r.sampling_params for r in sampling], [r.generator for r in sampling])
+        prompt_logprobs = []
+        for s, logits in zip(plan.scheduled, result.prompt_logits):
+            if logits is None:
+                prompt_logprobs.append(None)
+                continue
+            positions = s.prompt_logprob_positions
+            next_ids = torch.tensor(s.request.prompt_token_ids[positions.start + 1: positions.stop + 1],
+                                    device=logits.device)
+            prompt_logprobs.append(token_logprobs(logits, next_ids, [s.request.sampling_params.prompt_logprobs]
+                                                  * len(positions)))
+        return sampled, prompt_logprobs
+
+    def _fail_step(self, plan: SchedulerOutput, e: Exception) -> list[RequestOutput]:
+        """Finish every request of a failed step with finish_reason "error"; their blocks go back to the pool."""
+        message = f"{type(e).__name__}: {e}"
+        logger.exception("engine step %d failed (%d requests): %s", self.stats.steps, len(plan.scheduled), message)
+        self.stats.step_errors += 1
+        self.stats.consecutive_step_errors += 1
+        outputs = []
+        for s in plan.scheduled:
+            s.request.error = message
+            self.scheduler.finish(s.request, "error")
+            outputs.append(self._output(s.request))
         return outputs
 
     def _account(self, num_tokens: int, prefill: int, num_sampled: int, dt: float) -> None:
         s = self.stats
         s.steps += 1
-        s.step_tokens.append(num_tokens)
+        s.recent_step_tokens.append(num_tokens)
         s.decode_tokens += num_sampled
         if prefill > 0:
             s.prefill_tokens += prefill
@@ -139,18 +193,17 @@ class LLMEngine:
             reason = "stop"
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             reason = "length"
-        if p.stop or reason:
-            req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            hits = [req.text.find(s) for s in p.stop if s in req.text]
-            if hits:  # a stop string ends the text before it
-                reason, req.text = "stop", req.text[: min(hits)]
+        delta = req.detokenizer.update([tok])
+        req.text = req.detokenizer.text
+        cut = find_stop(req.text, len(delta), p.stop) if p.stop else None
+        if cut is not None:  # a stop string ends the text before it
+            reason, req.text = "stop", req.text[:cut]
         if reason:
             self.scheduler.finish(req, reason)
 
     def _output(self, req: Request) -> RequestOutput:
-        if req.finished:
-            self.requests.pop(req.request_id, None)
+        p = req.sampling_params
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.text, list(req.output_token_ids),
-                             req.finished, req.finish_reason,
-                             list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
-                             req.num_cached_tokens)
+                             req.finished, req.finish_reason, list(req.output_logprobs) if p.logprobs is not None
+                             else None, req.num_cached_tokens,
+                             list(req.prompt_logprobs) if p.prompt_logprobs is not None else None, req.error)

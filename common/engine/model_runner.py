@@ -1,13 +1,29 @@
 """Owns the model and its caches; turns a scheduled step into one packed forward and the logits to sample."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from common import backend, cpu_gemm
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
-from .request import Request
+from .scheduler import ScheduledRequest
+
+
+@dataclass
+class ModelRunnerOutput:
+    logits: torch.Tensor  # [N, V] fp32: the last row of each of the N scheduled requests that sample, in order
+    prompt_logits: list[torch.Tensor | None]  # per scheduled request: [len(prompt_logprob_positions), V] or None
+
+
+def blocks_that_fit(model, config: EngineConfig) -> int:
+    """As many blocks per group as the memory budget holds, capped at what max_num_seqs full-length requests
+    could use."""
+    per_block = sum(model.cache_bytes_per_block(config.block_size).values())
+    cap = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1
+    return max(2, min(config.kv_cache_memory_bytes // per_block, cap))
 
 
 class ModelRunner:
@@ -15,34 +31,32 @@ class ModelRunner:
     allocate_caches(num_blocks: {group: n}, block_size), forward(ForwardBatch) -> hidden [T, D] and
     compute_logits(hidden [N, D]) -> [N, V]."""
 
-    def __init__(self, model, config: EngineConfig):
+    def __init__(self, model, config: EngineConfig, num_blocks: int):
         self.model, self.config = model, config
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
             backend.keep_freed_host_memory()
-            cpu_gemm.pack_linears(model)  # bf16 weights in oneDNN's layout (a no-op for fp32 models)
+            cpu_gemm.pack_model(model)  # bf16 weights into oneDNN's layout, once, dense copies dropped (fp32: no-op)
         self.specs = model.cache_specs(config.block_size)
-        num_blocks = config.num_blocks or self._blocks_that_fit()
         self.num_blocks = {s.name: num_blocks for s in self.specs}
         model.allocate_caches(self.num_blocks, config.block_size)
 
-    def _blocks_that_fit(self) -> int:
-        """As many blocks per group as the memory budget holds, capped at what max_num_seqs full-length
-        requests could use."""
-        per_block = sum(self.model.cache_bytes_per_block(self.config.block_size).values())
-        cap = self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size) + 1
-        return max(2, min(self.config.kv_cache_memory_bytes // per_block, cap))
-
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]], block_tables: list[dict[str, list[int]]]) -> torch.Tensor:
-        """Forward the scheduled tokens; returns logits [N, V] (fp32) for the N requests whose step reaches the
-        end of their tokens, in scheduling order."""
-        new_tokens = [r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n] for r, n in scheduled]
-        batch = ForwardBatch.build(new_tokens, [r.num_computed_tokens for r, _ in scheduled], block_tables,
-                                   self.config.block_size, self.device)
+    def execute(self, scheduled: list[ScheduledRequest], block_tables: list[dict[str, list[int]]]) -> ModelRunnerOutput:
+        """Forward the scheduled tokens; logits for the rows that sample and for the prompt positions scored."""
+        new_tokens = [s.request.all_token_ids[s.start : s.end] for s in scheduled]
+        batch = ForwardBatch.build(new_tokens, [s.start for s in scheduled], block_tables, self.config.block_size,
+                                   self.device)
         hidden = self.model(batch)  # [T, D]
-        last = [i for i, (r, n) in enumerate(scheduled) if r.num_computed_tokens + n == r.num_tokens]
-        rows = batch.cu_seqlens_q[1:].long()[last] - 1
-        logits = self.model.compute_logits(hidden[rows])  # [N, V]
+        ends = batch.cu_seqlens_q[1:].tolist()
+        rows = [end - 1 for s, end in zip(scheduled, ends) if s.sample]
+        counts = [len(s.prompt_logprob_positions) for s in scheduled]
+        for s, end, n in zip(scheduled, ends, counts):  # rows of positions p: the chunk's row p - start
+            first = end - s.num_new_tokens + s.prompt_logprob_positions.start - s.start
+            rows += range(first, first + n)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
         backend.synchronize()
-        return logits
+        logits = logits.float()  # [N + sum(counts), V]
+        num_sampled = len(rows) - sum(counts)
+        parts = logits[num_sampled:].split(counts)
+        return ModelRunnerOutput(logits[:num_sampled], [p if n else None for p, n in zip(parts, counts)])

@@ -24,13 +24,16 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # [i]: prompt token i + 1, from position i
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache (prefill skipped) at first schedule
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why, when finish_reason is "error"
+    text: str = ""  # the output's text, cut at a stop string
     generator: torch.Generator | None = None
+    detokenizer: object | None = field(default=None, repr=False)  # the engine's IncrementalDetokenizer
 
     def __post_init__(self):
         self.generator = make_generator(self.sampling_params.seed)
@@ -38,6 +41,10 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

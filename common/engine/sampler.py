@@ -74,14 +74,20 @@ class Sampler:
         return torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), sampled)
 
     def logprobs(self, logits, token_ids, params) -> tuple[list[int], list[TokenLogprobs | None]]:
-        logprobs = logits.log_softmax(dim=-1)  # [B, V], raw logits: see the module docstring
-        sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
-        n = max(p.logprobs or 0 for p in params)
-        top_values, top_ids = logprobs.topk(n, dim=-1)  # [B, n], sorted descending
-        ids, sampled, top_ids, top_values = token_ids.tolist(), sampled.tolist(), top_ids.tolist(), top_values.tolist()
-        return ids, [None if p.logprobs is None else
-                     TokenLogprobs(ids[i], sampled[i], list(zip(top_ids[i][:p.logprobs], top_values[i][:p.logprobs])))
-                     for i, p in enumerate(params)]
+        asked = [p.logprobs for p in params]
+        return token_ids.tolist(), token_logprobs(logits, token_ids, asked)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]) -> list[TokenLogprobs | None]:
+    """Row i: token_ids[i]'s log_softmax(logits[i]) and the num_top[i] largest, best first (None: row not asked).
+    logits [B, V], token_ids [B]. Prompt log-probs use it with token_ids = the next prompt tokens."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [B, V], raw logits: see the module docstring
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
+    n = max((k or 0 for k in num_top), default=0)
+    top_values, top_ids = logprobs.topk(n, dim=-1)  # [B, n], sorted descending
+    ids, chosen, top_ids, top_values = token_ids.tolist(), chosen.tolist(), top_ids.tolist(), top_values.tolist()
+    return [None if k is None else TokenLogprobs(ids[i], chosen[i], list(zip(top_ids[i][:k], top_values[i][:k])))
+            for i, k in enumerate(num_top)]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

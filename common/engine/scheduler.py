@@ -4,6 +4,9 @@ Running requests go first, oldest first (decodes and unfinished prefill chunks);
 arrival order, each starting past its prefix-cache hit, as long as budget, batch size and blocks allow (FIFO:
 a waiting request that does not fit stops the queue). When blocks run out for a running request, the newest
 running request is preempted by recompute: its blocks are freed and it goes back to the front of the queue.
+
+The scheduler is the one owner of request and KV state: it holds every unfinished request by id, and it alone
+allocates, registers (prefix cache) and frees KV blocks. The engine asks it to add, finish and advance requests.
 """
 from __future__ import annotations
 
@@ -16,31 +19,55 @@ from .config import EngineConfig
 from .request import Request, RequestStatus
 
 
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's part of a step: tokens [start, start + num_new_tokens) of its sequence."""
+    request: Request
+    start: int  # its num_computed_tokens when scheduled
+    num_new_tokens: int
+    sample: bool  # a next token is sampled from this step's last row (the one place this rule lives)
+    prompt_logprob_positions: range  # positions p whose logits score prompt token p + 1 (prompt_logprobs)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to compute this step)
-    preempted: list[Request] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def schedule_entry(req: Request, num_new: int) -> ScheduledRequest:
+    start = req.num_computed_tokens
+    end = start + num_new
+    sample = end == req.num_tokens and req.sampling_params.max_tokens > 0
+    positions = range(0)
+    if req.sampling_params.prompt_logprobs is not None:  # scored once: a recompute skips what is already scored
+        positions = range(max(start, len(req.prompt_logprobs)), min(end, req.num_prompt_tokens - 1))
+    return ScheduledRequest(req, start, num_new, sample, positions)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager):
         self.config, self.kv_cache = config, kv_cache
+        self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def _allocate(self, req: Request, num_new: int) -> bool:
-        return self.kv_cache.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, num_new)
+        return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.config.max_num_batched_tokens
@@ -48,19 +75,20 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._allocate(req, num_new):
+            while not self.kv_cache.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.scheduled.append((req, num_new))
+                out.scheduled.append(schedule_entry(req, num_new))
                 budget -= num_new
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached = self.kv_cache.get_computed_tokens(req.request_id, req.all_token_ids)
+            # prompt log-probs need the logits of every prompt position: such a request reads no cached prefix
+            reads_cache = req.sampling_params.prompt_logprobs is None
+            cached = self.kv_cache.get_computed_tokens(req.request_id, req.all_token_ids) if reads_cache else 0
             num_new = min(req.num_tokens - cached, budget)
             if num_new < req.num_tokens - cached and not self.config.enable_chunked_prefill:
                 break
@@ -71,9 +99,17 @@ class Scheduler:
                 req.num_cached_tokens = cached
             req.num_computed_tokens, req.status = cached, RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append((req, num_new))
+            out.scheduled.append(schedule_entry(req, num_new))
             budget -= num_new
         return out
+
+    def update_from_output(self, output: SchedulerOutput) -> None:
+        """The step's forward ran: its tokens are in the cache; register the blocks that became full."""
+        for s in output.scheduled:
+            req = s.request
+            req.num_computed_tokens = s.end
+            if not req.finished:
+                self.kv_cache.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache.free(req.request_id)
@@ -83,10 +119,20 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Retire a request (stopped, length, aborted) wherever it is, freeing its blocks."""
+        """Retire a request (stop, length, abort, error) wherever it is, freeing its blocks."""
+        if req.finished:
+            return
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.requests.pop(req.request_id, None)
         self.kv_cache.free(req.request_id)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish the request with this id as aborted; None when it is unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, "abort")
+        return req

@@ -2,6 +2,10 @@
 
 POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with `stream: true`), GET /v1/models,
 GET /health, GET /metrics. Every error is an OpenAI error body; no traceback ever reaches a client.
+
+A request whose engine step failed answers 500 (an OpenAI error body), or in a stream ends with a choice whose
+finish_reason is "error", an error event and [DONE]; the server goes on serving. A client that disconnects
+aborts its requests, streaming or not, which frees their KV blocks.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .async_engine import AsyncLLMEngine, EngineOverloaded
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .streams import TextStream, chat_logprobs, completion_logprobs, merge, start
+from .streams import TextStream, chat_logprobs, merge, start
 
 logger = logging.getLogger("npu_cookbook.serving")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -147,6 +151,12 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
                     yield sse(chunk)
                 if out.finished:
                     finals[i] = out
+                if out.finish_reason == "error":  # the choice's finish_reason said it; the event says why
+                    outcome = "error"
+                    yield sse({"error": {"message": f"generation failed: {out.error}",
+                                         "type": "internal_server_error", "param": None, "code": 500}})
+                    yield "data: [DONE]\n\n"
+                    return
             if usage_chunk is not None:
                 yield sse(usage_chunk(finals))
             yield "data: [DONE]\n\n"
@@ -172,37 +182,80 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
         async for i, out in merge(started, metrics, arrival):
             if out.finished:
                 finals[i] = out
+        failed = [out.error for out in finals.values() if out.finish_reason == "error"]
+        if failed:
+            raise APIError(500, f"generation failed: {failed[0]}", "internal_server_error")
         return finals
 
+    async def whole(prompts, body, request_id: str, arrival: float) -> dict:
+        return await collect(await submit(prompts, body, request_id), arrival)
+
+    async def unless_disconnected(raw: Request, work):
+        """Await `work` unless the client disconnects first: then cancel it (which aborts its engine requests,
+        freeing their blocks) and return None. Streams notice a disconnect themselves; this is for whole
+        responses, which uvicorn would otherwise compute to the end for nobody."""
+        task = asyncio.ensure_future(work)
+
+        async def disconnect():
+            while (await raw.receive())["type"] != "http.disconnect":
+                pass
+
+        watch = asyncio.ensure_future(disconnect())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():
+                task.cancel()
+        if not task.done() or task.cancelled():
+            await asyncio.gather(task, return_exceptions=True)
+            metrics.count("aborted")
+            return None
+        return task.result()
+
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, raw: Request):
         arrival, created = time.perf_counter(), int(time.time())
         check_model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = [tokenize(p) for p in body.prompts]
-        started = await submit(prompts, body, request_id)
-        streams = [TextStream(tokenizer, sp_stop(body)) for _ in started]
+        # echo: each choice's text starts with its prompt (as sent, or decoded from ids), log-probs too
+        prompt_texts = [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(body.prompts, prompts)]
         head = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
+        streams = [TextStream(tokenizer, sp_stop(body)) for _ in range(len(prompts) * body.n)]
 
-        def choice(i, out, text):
-            lps = streams[i].new_logprobs(out) if body.logprobs is not None else None
-            return {"index": i, "text": text, "logprobs": None if lps is None else completion_logprobs(tokenizer, lps),
+        def choice(i, out, text, first: bool):
+            echo = body.echo and first
+            ids = prompts[i // body.n]
+            lps = None
+            if body.logprobs is not None:
+                lps = streams[i].completion_logprobs(streams[i].new_logprobs(out),
+                                                     (ids, out.prompt_logprobs or []) if echo else None)
+            return {"index": i, "text": prompt_texts[i // body.n] + text if echo else text, "logprobs": lps,
                     "finish_reason": out.finish_reason if out.finished else None}
 
         if body.stream:
+            started = await submit(prompts, body, request_id)
+            sent_first = set()
+
             def make_chunk(i, out):
                 _, text = streams[i].update(out)
-                if not text and not out.finished and body.logprobs is None:
+                first = i not in sent_first
+                if not text and not out.finished and body.logprobs is None and not (body.echo and first):
                     return None
-                return {**head, "choices": [choice(i, out, text)]}
+                sent_first.add(i)
+                return {**head, "choices": [choice(i, out, text, first)]}
             return stream_response(started, arrival, make_chunk, head, prompts, body.include_usage)
-        finals = await collect(started, arrival)
+
+        finals = await unless_disconnected(raw, whole(prompts, body, request_id, arrival))
+        if finals is None:
+            return Response(status_code=499)  # nobody is listening
         metrics.count("success")
-        choices = [choice(i, finals[i], streams[i].update(finals[i])[1]) for i in range(len(started))]
+        choices = [choice(i, finals[i], streams[i].update(finals[i])[1], True) for i in range(len(finals))]
         return {**head, "choices": choices, "usage": usage(prompts, finals)}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
         arrival, created = time.perf_counter(), int(time.time())
         check_model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -214,8 +267,7 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
         reasoning = think_end_id is not None and text.rstrip().endswith(THINK_OPEN)
         prompts = [tokenize(text)]
-        started = await submit(prompts, body, request_id)
-        streams = [TextStream(tokenizer, sp_stop(body), think_end_id if reasoning else None) for _ in started]
+        streams = [TextStream(tokenizer, sp_stop(body), think_end_id if reasoning else None) for _ in range(body.n)]
         head = {"id": request_id, "object": "chat.completion.chunk" if body.stream else "chat.completion",
                 "created": created, "model": model_name}
 
@@ -223,6 +275,7 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
             return chat_logprobs(tokenizer, streams[i].new_logprobs(out)) if body.logprobs else None
 
         if body.stream:
+            started = await submit(prompts, body, request_id)
             role_sent = set()
 
             def make_chunk(i, out):
@@ -240,10 +293,12 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
                 return {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs(i, out),
                                              "finish_reason": out.finish_reason if out.finished else None}]}
             return stream_response(started, arrival, make_chunk, head, prompts, body.include_usage)
-        finals = await collect(started, arrival)
+        finals = await unless_disconnected(raw, whole(prompts, body, request_id, arrival))
+        if finals is None:
+            return Response(status_code=499)  # nobody is listening
         metrics.count("success")
         choices = []
-        for i in range(len(started)):
+        for i in range(len(finals)):
             think, content = streams[i].update(finals[i])
             message = {"role": "assistant", "content": content}
             if reasoning:

@@ -3,6 +3,10 @@
 Callers on the event loop submit requests and iterate their outputs; the engine thread owns the engine: it
 takes queued adds and aborts between steps, runs `step()`, and hands each output to the request's asyncio
 queue. A caller that stops iterating (client gone) aborts its request, which frees its KV blocks.
+
+A failed step fails only its own requests (the engine finishes them with finish_reason "error"); the thread
+keeps serving. It gives up, and the server turns unhealthy, only when `max_consecutive_step_errors` steps fail
+in a row (the engine cannot continue: a broken device, say) or the engine's own bookkeeping raises.
 """
 from __future__ import annotations
 
@@ -19,8 +23,11 @@ class EngineOverloaded(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256):
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256, max_consecutive_step_errors: int = 3):
+        if max_consecutive_step_errors < 1:
+            raise ValueError(f"max_consecutive_step_errors must be >= 1, got {max_consecutive_step_errors}")
         self.engine, self.max_waiting = engine, max_waiting
+        self.max_consecutive_step_errors = max_consecutive_step_errors
         self._commands: collections.deque = collections.deque()  # ("add", request, loop, queue) | ("abort", id)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -99,7 +106,7 @@ class AsyncLLMEngine:
                 while self._commands:
                     kind, arg = self._commands.popleft()
                     if kind == "add":
-                        self.engine.add(arg)
+                        self._add(arg)
                     else:
                         self.engine.abort(arg)
                         self._streams.pop(arg, None)
@@ -109,7 +116,17 @@ class AsyncLLMEngine:
                     continue
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+                errors = self.engine.stats.consecutive_step_errors
+                if errors >= self.max_consecutive_step_errors:
+                    raise RuntimeError(f"{errors} engine steps failed in a row; the engine cannot continue")
         except BaseException as e:  # noqa: BLE001 - every waiting caller must hear about it
             self.error = e
             for request_id in list(self._streams):
+                self.engine.abort(request_id)
                 self._deliver(request_id, e)
+
+    def _add(self, req) -> None:
+        try:
+            self.engine.add(req)
+        except ValueError as e:  # an id in use: this request's fault, not the engine's
+            self._deliver(req.request_id, e)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 OUTCOMES = ("success", "error", "aborted", "rejected")
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -24,9 +25,22 @@ class ServerMetrics:
               registry=self.registry).set_function(lambda: len(scheduler.waiting))
         Gauge("kv_cache_usage", "Fraction of KV cache blocks held by requests",
               registry=self.registry).set_function(engine.kv_cache.usage)
+        self.registry.register(_EngineErrors(engine))
 
     def count(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineErrors:
+    """engine_step_errors_total: engine steps whose forward or sampling raised (their requests failed), read from
+    the engine's own count."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        yield CounterMetricFamily("engine_step_errors", "Engine steps that failed (their requests got an error)",
+                                  value=self.engine.stats.step_errors)

@@ -12,9 +12,9 @@ REPLACEMENT = "\ufffd"  # what a decode of an incomplete UTF-8 character ends wi
 
 
 class TextStream:
-    """Cumulative text of one choice, handed out as deltas that never need taking back: while unfinished, hold
-    back a trailing incomplete character and the last len(longest stop)-1 characters (a stop string may be
-    starting there); the finished output's text is the engine's, already cut at the stop string.
+    """Text of one choice, handed out as deltas that never need taking back. The engine decodes incrementally
+    (RequestOutput.text: complete characters only, cut at a stop string); while unfinished, the last
+    len(longest stop)-1 characters are held back (a stop string may be starting there).
     With reasoning (the prompt opened a thinking span), the text before the `</think>` token is reasoning
     content and the text after it is content."""
 
@@ -22,22 +22,20 @@ class TextStream:
         self.tokenizer, self.think_end_id = tokenizer, think_end_id
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.sent_reasoning, self.sent_content = 0, 0
+        self.split: int | None = None  # where the reasoning ends in the text, once the `</think>` token came
         self.num_logprobs_sent = 0
+        self.text_offset = 0  # characters of this choice's text that logprobs offsets already covered
 
     def update(self, out: RequestOutput) -> tuple[str, str]:
         """(reasoning delta, content delta) since the last update."""
-        ids = out.token_ids
-        if out.finished:
-            text = out.text
-        else:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True).rstrip(REPLACEMENT)
-            text = text[: max(0, len(text) - self.hold)]
+        text = out.text if out.finished else out.text[: max(0, len(out.text) - self.hold)]
         if self.think_end_id is None:
             split = 0
-        elif self.think_end_id in ids:
-            split = len(self.tokenizer.decode(ids[: ids.index(self.think_end_id)], skip_special_tokens=True))
         else:
-            split = len(text)
+            if self.split is None and self.think_end_id in out.token_ids:  # decoded once, when the token comes
+                ids = out.token_ids
+                self.split = len(self.tokenizer.decode(ids[: ids.index(self.think_end_id)], skip_special_tokens=True))
+            split = len(text) if self.split is None else self.split
         split = min(split, len(text))
         reasoning, content = text[self.sent_reasoning: split], text[split + self.sent_content:]
         self.sent_reasoning += len(reasoning)
@@ -49,17 +47,23 @@ class TextStream:
         self.num_logprobs_sent += len(new)
         return new
 
-
-def completion_logprobs(tokenizer, logprobs: list, text_offset: int = 0) -> dict:
-    """OpenAI completions shape: parallel lists of tokens, their logprobs, {token: logprob} of the top ones."""
-    tokens = [tokenizer.decode([lp.token_id]) for lp in logprobs]
-    offsets = []
-    for token in tokens:
-        offsets.append(text_offset)
-        text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{tokenizer.decode([i]): v for i, v in lp.top} for lp in logprobs],
-            "text_offset": offsets}
+    def completion_logprobs(self, logprobs: list, prompt: tuple[list[int], list] | None = None) -> dict:
+        """OpenAI completions shape for the new tokens; with prompt = (prompt ids, their prompt log-probs) the
+        prompt's tokens come first (echo), the first of them with no log-prob. Offsets run on across calls."""
+        entries = []
+        if prompt is not None:
+            ids, lps = prompt
+            entries.append((self.tokenizer.decode([ids[0]]), None, None))
+            entries += [(self.tokenizer.decode([lp.token_id]), lp.logprob,
+                         {self.tokenizer.decode([i]): v for i, v in lp.top}) for lp in lps]
+        entries += [(self.tokenizer.decode([lp.token_id]), lp.logprob,
+                     {self.tokenizer.decode([i]): v for i, v in lp.top}) for lp in logprobs]
+        offsets = []
+        for token, _, _ in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [e[2] for e in entries], "text_offset": offsets}
 
 
 def chat_logprobs(tokenizer, logprobs: list) -> dict:

@@ -1,11 +1,16 @@
 """TextStream: deltas that concatenate to the engine's text, hold-backs, and the reasoning split at `</think>`."""
 from common.engine import RequestOutput
+from common.engine.detokenizer import IncrementalDetokenizer
 from common.serving.streams import TextStream
 
 
 def output(ids, tokenizer, finished=False, text=None):
-    text = tokenizer.decode(ids, skip_special_tokens=True) if text is None else text
-    return RequestOutput("r", None, [1], text if finished else "", ids, finished, "stop" if finished else None)
+    """What the engine hands out after ids: its incremental text (complete characters), or the final text."""
+    if text is None:
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        detokenizer.update(ids)
+        text = detokenizer.text
+    return RequestOutput("r", None, [1], text, ids, finished, "stop" if finished else None)
 
 
 def test_reasoning_then_content_split_at_the_end_think_token(model_and_tokenizer):

@@ -58,7 +58,7 @@ def test_greedy_engine_equals_transformers_full_recompute(setup, engine_kwargs):
     if "num_blocks" in engine_kwargs:
         assert engine.scheduler.num_preemptions > 0
     if "max_num_batched_tokens" in engine_kwargs:
-        assert max(engine.stats.step_tokens) <= 8
+        assert max(engine.stats.recent_step_tokens) <= 8
     assert engine.kv_cache.all_blocks_free()
 
 
@@ -117,5 +117,5 @@ def test_bad_requests_are_refused_up_front(setup):
     out = llm.generate([prompts[2]], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "length" and len(prompts[2]) + len(out.token_ids) == 48
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     assert llm.engine.kv_cache.all_blocks_free()
