@@ -13,7 +13,7 @@ from pathlib import Path
 
 from common import backend
 from common.engine import LLM, SamplingParams
-from cli_deepseek import HERE, ArgumentParser, add_model_args, check_model_args, load
+from cli_deepseek import HERE, ArgumentParser, add_model_args, check_model_args, fail, load
 
 
 def parse_args(argv=None):
@@ -26,6 +26,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int)
     a = p.parse_args(argv)
+    if a.max_tokens < 1:  # offline runs generate; scoring a prompt alone is the server's echo
+        p.error(f"max_tokens must be >= 1, got {a.max_tokens}")
     if not a.prompts.is_file():
         p.error(f"--prompts {a.prompts}: no such file")
     try:
@@ -40,7 +42,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     model, tokenizer, config = load(a)
-    llm = LLM(model, tokenizer, config)
+    try:
+        llm = LLM(model, tokenizer, config)
+    except ValueError as e:  # settings that can never run (checked when the engine is built)
+        fail(e)
     prompts = [line.strip() for line in a.prompts.read_text().splitlines() if line.strip()]
     texts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     backend.reset_peak_memory()

@@ -1,7 +1,7 @@
 """DeepSeek-V4 behind an OpenAI-compatible HTTP server (completions, chat completions, streaming).
 
     bash run.sh --serve [--host 127.0.0.1] [--port 8000] [--api-key K] [--weights DIR] [--config configs/X.yaml]
-                        [--max-waiting N] [--drain-timeout S]
+                        [--max-waiting N] [--drain-timeout S] [--max-consecutive-step-errors N]
 
 With no --weights, the tiny random checkpoint (written once, as generate.py does) is served. SIGTERM / Ctrl-C:
 stop accepting, let running requests finish for --drain-timeout seconds, abort the rest, exit 0.
@@ -17,7 +17,7 @@ import uvicorn
 from common.engine import LLMEngine
 from common.serving import AsyncLLMEngine
 from common.serving.api_server import build_app
-from cli_deepseek import TINY, ArgumentParser, add_model_args, check_model_args, load
+from cli_deepseek import TINY, ArgumentParser, add_model_args, check_model_args, fail, load
 
 
 def parse_args(argv=None):
@@ -29,11 +29,16 @@ def parse_args(argv=None):
     p.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder's)")
     p.add_argument("--max-waiting", type=int, default=256, help="pending requests before answering 503")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds running requests get at shutdown")
+    p.add_argument("--max-consecutive-step-errors", type=int, default=3,
+                   help="failed engine steps in a row after which the engine stops and /health answers 503 (a failed "
+                        "step fails only its own requests)")
     a = p.parse_args(argv)
     if not 0 <= a.port < 65536:
         p.error(f"--port {a.port}: not a port number")
     if a.max_waiting < 1:
         p.error(f"--max-waiting must be >= 1, got {a.max_waiting}")
+    if a.max_consecutive_step_errors < 1:
+        p.error(f"--max-consecutive-step-errors must be >= 1, got {a.max_consecutive_step_errors}")
     check_model_args(p, a)
     return a
 
@@ -41,9 +46,14 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     model, tokenizer, config = load(a)
-    engine = LLMEngine(model, tokenizer, config)
+    try:
+        engine = LLMEngine(model, tokenizer, config)
+    except ValueError as e:  # settings that can never run (checked when the engine is built)
+        fail(e)
     path = a.weights or TINY
-    app = build_app(AsyncLLMEngine(engine, max_waiting=a.max_waiting), tokenizer,
+    async_engine = AsyncLLMEngine(engine, max_waiting=a.max_waiting,
+                                  max_consecutive_step_errors=a.max_consecutive_step_errors)
+    app = build_app(async_engine, tokenizer,
                     a.served_model_name or Path(path).resolve().name, api_key=a.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
                                            timeout_graceful_shutdown=a.drain_timeout))

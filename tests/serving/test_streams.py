@@ -36,3 +36,32 @@ def test_stop_hold_back_and_incomplete_characters(model_and_tokenizer):
         assert "\ufffd" not in sent and "wörld" not in sent
     sent += stream.update(output(ids, tokenizer, finished=True, text="héllo "))[1]
     assert sent == "héllo "
+
+
+def stream_text(engine, prompt, params, stop=()):
+    """Run one request through the engine as the server does: (concatenated deltas, final output)."""
+    engine.add_request(prompt, params, "long")
+    stream, sent, final = TextStream(engine.tokenizer, list(stop)), "", None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sent += stream.update(out)[1]
+            final = out
+    return sent, final
+
+
+def test_a_long_streamed_output_equals_the_decode_of_all_its_tokens(model_and_tokenizer):
+    from common.engine import EngineConfig, LLMEngine, SamplingParams
+    model, tokenizer = model_and_tokenizer
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_model_len=1024))
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=700, ignore_eos=True)  # random ids: split UTF-8
+    sent, final = stream_text(engine, [5, 6, 7], params)
+    full = tokenizer.decode(final.token_ids, skip_special_tokens=True)
+    assert len(final.token_ids) == 700 and sent == final.text == full.removesuffix("\ufffd")
+    assert any("\ufffd" in tokenizer.decode([t]) for t in final.token_ids)  # some tokens are parts of a character
+    # a stop string from the middle, split across tokens: the text ends right before it, streamed or not
+    start = len(full) // 2
+    stop = full[start: start + 4]
+    sent, final = stream_text(engine, [5, 6, 7], SamplingParams(temperature=1.0, seed=3, max_tokens=700,
+                                                                ignore_eos=True, stop=[stop]), [stop])
+    assert final.finish_reason == "stop" and sent == final.text == full[: full.index(stop)]
+    assert engine.kv_cache.all_blocks_free()

@@ -39,6 +39,20 @@ def test_bad_arguments_give_one_line_and_exit_2(args, needle):
     assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr
 
 
+@pytest.mark.parametrize("engine, needle", [
+    ("{enable_chunked_prefill: false, max_num_batched_tokens: 64}", "enable_chunked_prefill"),  # at engine build
+    ("{enable_chunked_prefill: false, max_num_batched_tokens: 64, max_model_len: 128}", "max_num_batched_tokens"),
+    ("{block_size: 6}", "block_size"),  # not a multiple of the compress ratios
+    ("{max_num_seqs: 0}", "max_num_seqs"),
+])
+def test_settings_that_can_never_run_are_refused_at_start(tmp_path, engine, needle):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(f"engine: {engine}\n")
+    r = run("--config", preset, "--max-tokens", 2)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr and "Traceback" not in r.stderr
+
+
 def test_corrupt_checkpoint_gives_one_line_and_exit_2(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
     shard = sorted(ckpt.glob("model-*.safetensors"))[-1]
