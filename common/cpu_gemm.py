@@ -2,94 +2,134 @@
 
 oneDNN reads a weight it reordered once into its own blocked layout faster than a plain row-major [N, K]
 bf16 tensor: 1.3-1.6x for decode-sized inputs (M = 1..16) on the 2-core AVX512-BF16 VM of the README, with
-bit-identical results (the same kernel, minus its per-call reorder). `pack_linears(model)`:
-- swaps every bf16 `nn.Linear` for a `PackedLinear` that keeps the same `weight` Parameter, so parameter
-  names, `state_dict` and code reading `.weight` are unchanged;
-- packs every stacked bf16 expert weight [E, N, K] expert by expert, for `ops.grouped_matmul`.
-A packed weight is repacked when its Parameter changed: in place (the tensor version counter) or by a new
-`.data` (its storage); a Parameter that is no longer bf16 on CPU (`model.float()`) takes the plain GEMM.
-The packed copies sit beside the originals: the CPU path holds its bf16 weights twice.
-NPU and CUDA keep their own GEMMs; this module is a no-op there, and where torch has no oneDNN.
+bit-identical results (the same kernel, minus its per-call reorder). `pack_model(model)` is the last step
+before inference: the ModelRunner calls it once, after loading. It converts in place
+- every bf16 `nn.Linear` into a `PackedLinear` that holds its weight packed only (its bias stays a Parameter);
+- every stacked bf16 expert Parameter [E, N, K] into a `PackedExperts` (one packed weight per expert), which
+  `ops.grouped_matmul` takes in place of the dense stack,
+and drops the dense bf16 weights: each weight is held once, so no copy can go stale.
+After it the model is for inference only. The packed weights are no longer parameters (`named_parameters`,
+`load_weights` and optimizers do not see them, and a Parameter object kept from before is no longer read);
+`state_dict()` still gives them dense (the round trip is exact), `load_state_dict` raises; a conversion
+(`model.float()`) leaves them bf16 and the next forward raises; a PackedLinear has no `.weight` to read (a
+model that reads a linear's weight directly should hold it in a module of its own, not an nn.Linear).
+Packing needs oneDNN's bf16 kernels: where torch says this CPU has none (`_is_mkldnn_bf16_supported()`: no
+AVX512-BW/VL/DQ nor AVX-NE-CONVERT, e.g. AVX2-only x86), where torch has no oneDNN, and on NPU and CUDA,
+`pack_model` packs nothing and the plain GEMMs run (the same outputs).
 """
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED_ATTR = "_onednn_packed"  # on a stacked [E, N, K] Parameter: (stamp, [packed expert weights])
+INFERENCE_ONLY = "packed for inference by common.cpu_gemm.pack_model: load weights before packing"
 
 
 @functools.cache
-def _onednn() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def supported() -> bool:
+    """Whether oneDNN runs bf16 GEMMs on this CPU: torch's answer, asked once."""
+    mkldnn = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and bool(mkldnn._is_mkldnn_bf16_supported()))
 
 
 def available(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn()
+    """Whether `weight` can be packed: bf16 on CPU, and oneDNN's bf16 kernels run here."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and supported()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] bf16 -> oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    """[N, K] bf16 -> oneDNN's blocked layout (an opaque mkldnn tensor; `.to_dense()` gives the weight back)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)  # 16: a decode-sized batch hint
-
-
-def stamp(weight: torch.Tensor) -> tuple[int, int]:
-    """What a packed copy was made from: in-place writes bump the version, a new `.data` moves the storage."""
-    return weight._version, weight.data_ptr()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) with W packed by `pack` -> [..., N]."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"oneDNN-packed bf16 weights take bf16 inputs, got {x.dtype}: the model was packed for "
+                        "bf16 inference by common.cpu_gemm.pack_model (convert it before packing)")
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear with its weight also held packed; same parameters, same outputs."""
+    """An inference-only bf16 nn.Linear whose weight is held packed only; the same outputs."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        self._packed, self._stamp = pack(self.weight), stamp(self.weight)
+        self.bias = linear.bias
+        self._packed = pack(linear.weight)  # [N, K] packed; not a parameter
+
+    def __getattr__(self, name: str):
+        if name == "weight":
+            raise AttributeError(f"{type(self).__name__} has no dense weight: {INFERENCE_ONLY}")
+        return super().__getattr__(name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype or not available(self.weight):
-            return F.linear(x, self.weight, self.bias)
-        if self._stamp != stamp(self.weight):
-            self._packed, self._stamp = pack(self.weight), stamp(self.weight)
         return linear(x, self._packed, self.bias)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self._packed.to_dense()  # [N, K], exact
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        raise RuntimeError(f"{type(self).__name__}: {INFERENCE_ONLY}")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-def packed_experts(weight: torch.Tensor) -> list[torch.Tensor] | None:
-    """The packed experts of a stacked weight [E, N, K] that `pack_linears` prepared, kept current; else None."""
-    entry = getattr(weight, PACKED_ATTR, None)
-    if entry is None or not available(weight):
-        return None
-    if entry[0] != stamp(weight):
-        entry = stamp(weight), [pack(w) for w in weight]
-        setattr(weight, PACKED_ATTR, entry)
-    return entry[1]
+class PackedExperts:
+    """A stacked expert weight [E, N, K] held as E oneDNN-packed [N, K] weights only, for `ops.grouped_matmul`.
+    Not a tensor: it has `.shape`, `.dtype`, `.device` and `to_dense()`; anything else (indexing, `.data`) fails."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
+        self.experts = [pack(w) for w in weight]  # E x [N, K] packed
+
+    def to_dense(self) -> torch.Tensor:
+        return torch.stack([w.to_dense() for w in self.experts])  # [E, N, K], exact
+
+    def __repr__(self) -> str:
+        return f"PackedExperts(shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack every bf16 CPU linear and stacked expert weight of `model` in place; returns how many weights."""
+def _save_experts(module: nn.Module, state_dict, prefix: str, local_metadata) -> None:
+    for name, value in vars(module).items():
+        if isinstance(value, PackedExperts):
+            state_dict[prefix + name] = value.to_dense()
+
+
+def _refuse_load(module: nn.Module, *args) -> None:
+    raise RuntimeError(f"{type(module).__name__} holds PackedExperts: {INFERENCE_ONLY}")
+
+
+def pack_model(model: nn.Module) -> int:
+    """Pack every bf16 CPU linear and stacked expert weight of `model` in place, dropping the dense copies
+    (see the module docstring); returns how many weights. A weight held in two places (tied) stays dense.
+    Packs nothing where oneDNN has no bf16 kernels."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # a tied weight stays dense
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and available(child.weight):
+            if type(child) is nn.Linear and available(child.weight) and uses[id(child.weight)] == 1:
                 setattr(module, name, PackedLinear(child))
                 count += 1
     for module in model.modules():
         if isinstance(module, nn.modules.conv._ConvNd):
             continue
-        for p in module.parameters(recurse=False):
-            if p.dim() == 3 and available(p) and not hasattr(p, PACKED_ATTR):
-                setattr(p, PACKED_ATTR, (stamp(p), [pack(w) for w in p]))
-                count += 1
+        stacks = [n for n, p in module.named_parameters(recurse=False)
+                  if p.dim() == 3 and available(p) and uses[id(p)] == 1]
+        for name in stacks:
+            packed = PackedExperts(module._parameters[name])
+            delattr(module, name)  # the dense stack goes
+            setattr(module, name, packed)
+        if stacks:
+            module.register_state_dict_post_hook(_save_experts)
+            module.register_load_state_dict_pre_hook(_refuse_load)
+        count += len(stacks)
     return count

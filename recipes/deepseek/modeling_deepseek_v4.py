@@ -175,7 +175,7 @@ class Attention(nn.Module):
         self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wkv = nn.Linear(args.hidden_size, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.wo_a = nn.Linear(self.n_heads * self.head_dim // self.groups, self.groups * args.o_lora_rank, bias=False)
+        self.wo_a = GroupedLinear(self.n_heads * self.head_dim // self.groups, args.o_lora_rank, self.groups)
         self.wo_b = nn.Linear(self.groups * args.o_lora_rank, args.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         self.ratio = args.compress_rates.get(self.kind, 0)
@@ -213,10 +213,22 @@ class Attention(nn.Module):
                 o, lse = ops.merge_attention_states(o, lse, oc, lsec)
         o = ops.apply_attention_sinks(o, lse, self.attn_sink)  # [T, H, Dh]
         o = self.rope(o, cos, -sin)  # undo the keys' rotation carried into the values
-        o = o.reshape(T, self.groups, -1)  # [T, G, H*Dh/G]
-        wo_a = self.wo_a.weight.view(self.groups, -1, o.shape[-1])  # [G, R, H*Dh/G]
-        o = torch.einsum("tgi,gri->tgr", o, wo_a).flatten(1)  # [T, G*R]
+        o = self.wo_a(o.reshape(T, self.groups, -1)).flatten(1)  # [T, G, H*Dh/G] -> [T, G*R]
         return self.wo_b(o)
+
+
+class GroupedLinear(nn.Module):
+    """The grouped low-rank output projection o_a: G independent linears, each over its slice of the heads.
+    weight [G*R, I] as the checkpoint stores it; x [T, G, I] -> [T, G, R]."""
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int):
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.view(self.groups, -1, x.shape[-1])  # [G, R, I]
+        return torch.einsum("tgi,gri->tgr", x, w)
 
 
 def visible_entries(batch: ForwardBatch, cu_entries: torch.Tensor, ratio: int) -> torch.Tensor:

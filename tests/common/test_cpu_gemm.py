@@ -1,4 +1,15 @@
-"""oneDNN-packed bf16 weights on the CPU path: the same outputs as the plain weights, the same parameters."""
+"""oneDNN-packed bf16 weights on the CPU path: the same outputs as the plain weights, held once, inference only.
+
+Tests that need packing skip where oneDNN has no bf16 GEMMs on this CPU (AVX2-only x86). The fallback is tested
+on every CPU: in a subprocess that caps oneDNN and ATen at AVX2, which makes torch answer and fail as on such a CPU.
+"""
+import gc
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -6,8 +17,11 @@ from torch import nn
 from common import cpu_gemm
 from common.ops import reference as ref
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.available(torch.zeros(1, dtype=torch.bfloat16)),
-                                reason="torch built without oneDNN")
+HERE = Path(__file__).resolve().parent
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+needs_packing = pytest.mark.skipif(not cpu_gemm.supported(), reason="oneDNN has no bf16 GEMMs on this CPU "
+                                   "(torch.ops.mkldnn._is_mkldnn_bf16_supported() is False: no AVX512-BW/VL/DQ "
+                                   "nor AVX-NE-CONVERT)")
 
 
 class Tiny(nn.Module):
@@ -27,56 +41,131 @@ def bf16_model():
     return Tiny().to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (16, 64), (2, 5, 64), (0, 64)])
-def test_packed_linears_equal_plain_ones(shape):
-    model, x = bf16_model(), torch.randn(*shape, dtype=torch.bfloat16)
-    want = model(x)
-    names = sorted(model.state_dict())
-    assert cpu_gemm.pack_linears(model) == 3  # two linears, one expert stack; not the conv
-    assert isinstance(model.proj, cpu_gemm.PackedLinear) and isinstance(model.out[0], cpu_gemm.PackedLinear)
-    assert sorted(model.state_dict()) == names
-    assert torch.equal(model(x), want)
+def load_like_the_recipe(proj: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor):
+    """The write of weights_deepseek_v4._packed_loader: `param.data[...].copy_(tensor)` (no version bump)."""
+    proj.data.copy_(weight)
+    experts.data[1].copy_(expert)
 
 
-def test_in_place_weight_update_repacks():
-    model = bf16_model()
-    cpu_gemm.pack_linears(model)
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        model.proj.weight.mul_(-2)
-        model.experts.mul_(3)
-    plain = bf16_model()
-    with torch.no_grad():
-        plain.proj.weight.mul_(-2)
-        plain.experts.mul_(3)
+def fallback_run():
+    """What a CPU without oneDNN bf16 GEMMs gives: torch says so, packing packs nothing, outputs are the plain ones.
+    Called in a subprocess by test_fallback_on_a_cpu_without_onednn_bf16 (and directly on such a CPU)."""
+    assert not torch.ops.mkldnn._is_mkldnn_bf16_supported() and not cpu_gemm.supported()
+    with pytest.raises(RuntimeError, match="bf16 path needs the cpu support"):  # what packing would hit
+        cpu_gemm.pack(torch.zeros(8, 8, dtype=torch.bfloat16))
+    model, plain = bf16_model(), bf16_model()
+    assert cpu_gemm.pack_model(model) == 0
+    assert type(model.proj) is nn.Linear and isinstance(model.experts, nn.Parameter)
+    x, counts = torch.randn(5, 64, dtype=torch.bfloat16), torch.tensor([2, 0, 3])
     assert torch.equal(model(x), plain(x))
-    counts = torch.tensor([1, 0, 3])
     assert torch.equal(ref.grouped_matmul(x, model.experts, counts), ref.grouped_matmul(x, plain.experts, counts))
 
 
-def test_new_data_and_dtype_changes_are_followed():
-    model, plain = bf16_model(), bf16_model()
-    cpu_gemm.pack_linears(model)
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
-    new = torch.randn(96, 64, dtype=torch.bfloat16)
-    model.proj.weight.data, plain.proj.weight.data = new, new.clone()  # same version counter, new storage
+def test_fallback_on_a_cpu_without_onednn_bf16():
+    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_cpu_gemm; test_cpu_gemm.fallback_run()"
+    run = subprocess.run([sys.executable, "-c", code], cwd=HERE.parents[1], env={**os.environ, **AVX2_ONLY},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def test_packing_follows_torchs_answer():
+    torch_says = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert cpu_gemm.supported() == torch_says
+    assert cpu_gemm.available(torch.zeros(1, dtype=torch.bfloat16)) == torch_says
+    if not torch_says:
+        fallback_run()
+    else:
+        assert cpu_gemm.pack_model(bf16_model()) == 3
+
+
+@needs_packing
+@pytest.mark.parametrize("shape", [(1, 64), (16, 64), (2, 5, 64), (0, 64)])
+def test_packed_linears_equal_plain_ones(shape):
+    model, plain, x = bf16_model(), bf16_model(), torch.randn(*shape, dtype=torch.bfloat16)
+    assert cpu_gemm.pack_model(model) == 3  # two linears, one expert stack; not the conv
+    assert isinstance(model.proj, cpu_gemm.PackedLinear) and isinstance(model.out[0], cpu_gemm.PackedLinear)
+    assert isinstance(model.experts, cpu_gemm.PackedExperts) and type(model.conv) is nn.Conv1d
     assert torch.equal(model(x), plain(x))
-    model.float(), plain.float()  # no longer bf16: the plain GEMM
-    assert torch.equal(model(x.float()), plain(x.float()))
-    assert cpu_gemm.packed_experts(model.experts) is None
 
 
+@needs_packing
+def test_dense_weights_are_dropped_and_state_dict_stays_exact():
+    model, plain = bf16_model(), bf16_model()
+    dense = [weakref.ref(model.proj.weight), weakref.ref(model.out[0].weight), weakref.ref(model.experts)]
+    cpu_gemm.pack_model(model)
+    gc.collect()
+    assert all(w() is None for w in dense)  # nothing holds the dense copies any more
+    assert sorted(n for n, _ in model.named_parameters()) == ["conv.bias", "conv.weight", "out.0.bias"]
+    state, want = model.state_dict(), plain.state_dict()
+    assert sorted(state) == sorted(want) and all(torch.equal(state[k], want[k]) for k in want)
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match="load weights before packing"):
+            model.load_state_dict(want, strict=strict)
+    assert model.experts.shape == (3, 48, 64) and model.experts.dtype == torch.bfloat16
+    with pytest.raises((TypeError, AttributeError)):
+        model.experts.data.copy_(want["experts"])
+
+
+@needs_packing
+def test_writes_before_packing_are_followed_and_none_can_go_stale_after():
+    model, plain, fresh = bf16_model(), bf16_model(), bf16_model()
+    weight, expert = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        load_like_the_recipe(model.proj.weight, model.experts, weight, expert)
+        load_like_the_recipe(plain.proj.weight, plain.experts, weight, expert)
+    old = model.proj.weight, model.experts
+    cpu_gemm.pack_model(model)
+    x, counts = torch.randn(7, 64, dtype=torch.bfloat16), torch.tensor([2, 3, 2])
+    assert not torch.equal(plain(x), fresh(x))  # the write changed the outputs ...
+    assert torch.equal(model(x), plain(x))  # ... and the packed model follows it
+    assert torch.equal(ref.grouped_matmul(x, model.experts, counts), ref.grouped_matmul(x, plain.experts, counts))
+    assert not any(p is o for p in model.parameters() for o in old)  # the old Parameters are out of the model
+    with torch.no_grad():
+        load_like_the_recipe(*old, -weight, -expert)  # the Parameters taken before packing: the model dropped them
+    assert torch.equal(model(x), plain(x))
+    assert torch.equal(ref.grouped_matmul(x, model.experts, counts), ref.grouped_matmul(x, plain.experts, counts))
+
+
+@needs_packing
+def test_a_packed_linear_has_no_weight_to_read_or_write():
+    """The one copy is the packed one: `.weight` of a PackedLinear is an error, not a dense copy made on the side."""
+    model = bf16_model()
+    cpu_gemm.pack_model(model)
+    with pytest.raises(AttributeError, match="load weights before packing"):
+        model.proj.weight
+    assert not hasattr(model.out[0], "weight") and "proj.weight" not in dict(model.named_parameters())
+
+
+@needs_packing
+def test_conversions_after_packing_fail_loudly():
+    model = bf16_model()
+    cpu_gemm.pack_model(model)
+    model.float()  # the packed weights stay bf16
+    x = torch.randn(3, 64)
+    with pytest.raises(TypeError, match="bf16 inputs"):
+        model(x)
+    with pytest.raises(TypeError, match="bf16 inputs"):
+        ref.grouped_matmul(x, model.experts, torch.tensor([1, 1, 1]))
+
+
+@needs_packing
 def test_grouped_matmul_with_packed_experts_equals_plain():
     model, plain = bf16_model(), bf16_model()
-    cpu_gemm.pack_linears(model)
-    assert cpu_gemm.packed_experts(model.experts) is not None and cpu_gemm.packed_experts(plain.experts) is None
+    cpu_gemm.pack_model(model)
     x, counts = torch.randn(7, 64, dtype=torch.bfloat16), torch.tensor([3, 0, 4])
     got = ref.grouped_matmul(x, model.experts, counts)
     assert torch.equal(got, ref.grouped_matmul(x, plain.experts, counts))
     assert torch.equal(got[:3], x[:3] @ plain.experts[0].T)
 
 
+@needs_packing
+def test_tied_weights_stay_dense():
+    embed, head = nn.Embedding(96, 64).to(torch.bfloat16), nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    head.weight = embed.weight  # one weight, read by two modules
+    assert cpu_gemm.pack_model(nn.ModuleList([embed, head])) == 0 and type(head) is nn.Linear
+
+
 def test_fp32_models_are_left_alone():
     model = Tiny()
-    assert cpu_gemm.pack_linears(model) == 0
-    assert type(model.proj) is nn.Linear and cpu_gemm.packed_experts(model.experts) is None
+    assert cpu_gemm.pack_model(model) == 0
+    assert type(model.proj) is nn.Linear and isinstance(model.experts, nn.Parameter)

@@ -82,11 +82,13 @@ def moe_finalize_routing(
     return out.to(expert_out.dtype)
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+def grouped_matmul(
+    x: torch.Tensor, weight: torch.Tensor | cpu_gemm.PackedExperts, tokens_per_expert: torch.Tensor
+) -> torch.Tensor:
     """Per expert e: y_e = x_e @ weight[e].T; x [M, K] sorted by expert, weight [E, N, K] (nn.Linear) -> [M, N].
-    Uses the oneDNN-packed experts where common.cpu_gemm.pack_linears prepared them (same results)."""
+    weight: a dense tensor, or the cpu_gemm.PackedExperts that cpu_gemm.pack_model made of one (same results)."""
+    packed = weight.experts if isinstance(weight, cpu_gemm.PackedExperts) else None
     out = x.new_empty(x.shape[0], weight.shape[1])  # [M, N]
-    packed = cpu_gemm.packed_experts(weight) if x.dtype == weight.dtype else None
     ends = tokens_per_expert.cumsum(0).tolist()
     for e, (start, end) in enumerate(zip([0] + ends, ends)):
         if end > start:

@@ -119,3 +119,31 @@ def test_bad_requests_are_refused_up_front(setup):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=-1)
     assert llm.engine.kv_cache.all_blocks_free()
+
+
+def test_engine_config_is_resolved_once_and_never_changed(setup):
+    import dataclasses
+
+    from common.engine import EngineConfig, LLMEngine
+    model, tok, _, _ = setup
+    asked = EngineConfig(block_size=16, max_model_len=64, num_blocks=4)
+    engine = LLMEngine(model, tok, asked)
+    assert asked.max_model_len == 64  # the caller's config is untouched
+    assert engine.config is engine.runner.config is engine.scheduler.config and engine.config.max_model_len == 48
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.config.max_model_len = 1000
+
+
+def test_prompts_that_can_never_run_without_chunked_prefill_are_refused_up_front(setup):
+    from common.engine import EngineConfig, LLMEngine
+    model, tok, prompts, _ = setup
+    with pytest.raises(ValueError, match="max_num_batched_tokens .* must be >= max_model_len"):
+        EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=32, max_model_len=64)
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):  # max_model_len from the model (> 32)
+        LLMEngine(model, tok, EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=32))
+    llm = LLM(model, tok, block_size=16, enable_chunked_prefill=False, max_num_batched_tokens=48, max_model_len=48)
+    with pytest.raises(ValueError, match="at most 47"):  # refused when made, not inside step()
+        llm.generate([list(range(2, 60))], use_tqdm=False)
+    out = llm.generate([prompts[1]], SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 48 - len(prompts[1])  # max_model_len
+    assert llm.engine.kv_cache.all_blocks_free()
