@@ -8,8 +8,8 @@ incomplete UTF-8 character) its tokens are held back, until the tokens that comp
   `backend_tokenizer`) uses `tokenizers.decoders.DecodeStream`, that window in Rust.
 - Any other tokenizer with `decode(ids, skip_special_tokens=...)` uses the same scheme here: the window is the
   ids last read (the prefix, for context) plus the new ones; once its text is longer than the prefix's and does
-  not end in U+FFFD, the excess is the delta, and the ids just read become the next window. The window grows past
-  one step's ids only while every token ends inside a character (`window` holds it, for tests).
+  not end in U+FFFD, the excess is the delta, and the ids just read become the next window. It holds more than
+  the ids last read and the new ones only while their text ends inside a character (`window`, for tests).
 
 `text` is `tokenizer.decode(output_ids, skip_special_tokens=...)` less a trailing incomplete character, with one
 exception: clean_up_tokenization_spaces (transformers applies it in decode where the flag is set and the model is
