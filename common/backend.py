@@ -119,3 +119,155 @@ def keep_freed_host_memory() -> bool:
     return all(libc.mallopt(opt, value) == 1 for opt, value in
                ((M_MMAP_THRESHOLD, 32 * 2**20), (M_TRIM_THRESHOLD, 2**31 - 1), (M_TOP_PAD, 256 * 2**20),
                 (M_MMAP_MAX, 0)))
+
+
+# -- compute dtype ------------------------------------------------------------------------------------------------
+# bf16 halves the bytes a GEMM reads; whether a CPU computes it fast depends on its kernels. torch 2.13's CPU build
+# runs bf16 GEMMs in oneDNN where `torch.ops.mkldnn._is_mkldnn_bf16_supported()` (x86 from AVX-512 on, emulated with
+# fp32 FMAs below AVX512-BF16) and in ATen's own loops elsewhere (an AVX2-only x86): x @ W.T there at ~30-55 GFLOP/s
+# on 2 cores, [M, K] @ [K, N] at ~1.3, against fp32's ~230 (scripts/cpu_dtype_probe.py, README "CPU dtype").
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+AUTO = "auto"  # a preset's or a flag's dtype: follow default_dtype()
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA, legacy DNNL_MAX_CPU_ISA) below the first ISA with bf16 dot products
+_ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def _onednn_isa_cap() -> str:
+    """The ISA cap oneDNN reads from the environment ('' when unset); torch does not expose oneDNN's effective ISA."""
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+
+
+@functools.cache
+def cpu_bf16_kind() -> str:
+    """How this process's CPU runs bf16 GEMMs: 'native' (bf16 instructions: AVX512-BF16 / AMX on x86, oneDNN's bf16
+    kernels on ARM), 'emulated' (oneDNN bf16 kernels on AVX-512 without bf16 instructions, converting to fp32) or
+    'none' (no oneDNN bf16 kernels: an AVX2-only x86, or torch without oneDNN).
+
+    `_is_mkldnn_bf16_supported()` asks oneDNN, which honours ONEDNN_MAX_CPU_ISA; the instruction flags
+    (`torch.cpu._is_avx512_bf16_supported()` / `_is_amx_tile_supported()`) read cpuid, which no variable limits, so
+    native also needs oneDNN's ISA cap and ATen's kernel level (ATEN_CPU_CAPABILITY) to allow AVX-512: that way
+    `ONEDNN_MAX_CPU_ISA=AVX512_CORE` (emulated) and `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` (none)
+    classify a simulated CPU as the real one would be."""
+    try:
+        onednn_bf16 = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without the op
+        onednn_bf16 = False
+    if not onednn_bf16:
+        return "none"
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return "native"  # oneDNN (ideep) reports bf16 on ARM only where the CPU has the bf16 extension
+    instructions = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    capped = _onednn_isa_cap() in _ONEDNN_ISAS_WITHOUT_BF16
+    aten_avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    return "native" if instructions and not capped and aten_avx512 else "emulated"
+
+
+def cpu_description() -> str:
+    """The CPU kind in a few words, naming a simulation by environment variable when one is set."""
+    kind = cpu_bf16_kind()
+    isa = torch.backends.cpu.get_cpu_capability()
+    if kind == "native":
+        text = "AMX" if torch.cpu._is_amx_tile_supported() else ("AVX512-BF16" if isa == "AVX512" else isa)
+    elif kind == "emulated":
+        text = f"{isa} without bf16 instructions"
+    else:
+        text = isa if isa != "DEFAULT" else "no vector ISA torch uses"
+    simulated = [f"{name}={os.environ[name]}" for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+                                                          "ATEN_CPU_CAPABILITY") if os.environ.get(name)]
+    return text + (f", simulated by {' '.join(simulated)}" if simulated else "")
+
+
+def default_dtype() -> torch.dtype:
+    """The compute dtype a recipe uses when nothing asks for one: bf16 on NPU / CUDA and on CPUs whose oneDNN runs
+    bf16 GEMMs ('native' and 'emulated'), fp32 on the others ('none': AVX2-only x86, no oneDNN). Measured on the
+    recipes' GEMM shapes, 1 and 2 threads (scripts/cpu_dtype_probe.py, README "CPU dtype"), bf16 time / fp32 time:
+    - native: 0.13-0.30 with oneDNN-packed weights, 0.22-0.63 without;
+    - emulated (AVX-512 without bf16 instructions): decode 0.27-0.43 at batch 1 and 0.41-0.72 at batch 16 (half
+      the weight bytes), 1.0-1.22 at prefill-chunk and DiT sizes: the decode gain outweighs the compute loss;
+    - none: decode 0.22-0.40 at batch 1 but 0.7-1.2 at batch 16 and 3.6-4.0 at prefill and DiT sizes, and any bf16
+      GEMM outside the nn.Linear layout ([M, K] @ [K, N]) runs at ~1 GFLOP/s (90-170x fp32's time): fp32.
+    Keeping weights bf16 and upcasting them per GEMM (fp32 compute) took 1.6-2.3x fp32's time at batch-1 decode,
+    0.84-1.5x at batch 16 and 0.94-1.16x at prefill and DiT sizes: it saves memory, not time, so no default uses it."""
+    if device_type() != "cpu":
+        return torch.bfloat16
+    return torch.float32 if cpu_bf16_kind() == "none" else torch.bfloat16
+
+
+def gemm_peak_gflops(dtype: torch.dtype, sizes=(512, 1024, 2048), reps: int = 5, clock=None) -> float:
+    """Best GFLOP/s of an n^3 GEMM (n in `sizes`) in `dtype` on this process's device and its current torch thread
+    count, in the layout every nn.Linear runs (x [n, n] @ W[n, n].T): the peak a bench's achieved rate is a share
+    of, so measured in the run's own dtype, threads and clock (`clock`: e.g. time.thread_time; default wall time).
+    Several sizes, because without oneDNN bf16 the mid-sized GEMMs a model runs beat a 2048^3 one. A bf16 peak under
+    an fp32 run, or bf16 [M, K] @ [K, N] (~1 GFLOP/s in torch's CPU build without oneDNN bf16, against ~30-50 for
+    the linear layout), made benches print shares above 100%."""
+    import time
+
+    clock = clock or time.perf_counter
+    best_rate = 0.0
+    for n in sizes:
+        x = torch.randn(n, n, device=device()).to(dtype)
+        w = torch.randn(n, n, device=device()).to(dtype)
+        torch.nn.functional.linear(x, w)  # warm-up (oneDNN primitive creation)
+        best = float("inf")
+        for _ in range(reps):
+            synchronize()
+            start = clock()
+            torch.nn.functional.linear(x, w)
+            synchronize()
+            best = min(best, clock() - start)
+        best_rate = max(best_rate, 2 * n**3 / best / 1e9)
+    return best_rate
+
+
+def attention_peak_gflops(dtype: torch.dtype, seqs=(512, 1024), heads: int = 8, head_dim: int = 128, reps: int = 3,
+                          clock=None) -> float:
+    """Best GFLOP/s (4 n^2 d per head: scores and values) of torch's fused attention (scaled_dot_product_attention)
+    in `dtype` on this device, at the current thread count. A DiT's peak reference is the larger of this and
+    gemm_peak_gflops: without oneDNN bf16 the fused attention computes bf16 inputs in fp32 at ~3x the bf16 GEMM rate,
+    so a GEMM-only peak would not bound a bf16 forward's achieved rate."""
+    import time
+
+    clock = clock or time.perf_counter
+    best_rate = 0.0
+    for n in seqs:
+        q, k, v = (torch.randn(1, heads, n, head_dim, device=device()).to(dtype) for _ in range(3))
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)  # warm-up
+        best = float("inf")
+        for _ in range(reps):
+            synchronize()
+            start = clock()
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            synchronize()
+            best = min(best, clock() - start)
+        best_rate = max(best_rate, 4 * heads * n * n * head_dim / best / 1e9)
+    return best_rate
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
+
+
+def describe_dtype_choice(dtype: torch.dtype, source: str | None = None) -> str:
+    """The one start-up line saying which compute dtype a run uses and why: `source` is where an explicit dtype
+    came from ('--dtype', 'configs/x.yaml'); None means chosen by default_dtype()."""
+    if source is not None:
+        return f"dtype: {dtype_name(dtype)} (from {source})"
+    if device_type() != "cpu":
+        return f"dtype: {dtype_name(dtype)} (auto: {device_type()})"
+    why = {"native": "this CPU has bf16 GEMM instructions",
+           "emulated": "oneDNN emulates bf16 GEMMs on this CPU",
+           "none": "this CPU runs bf16 GEMMs without native support"}[cpu_bf16_kind()]
+    return f"dtype: {dtype_name(dtype)} (auto: {why}, {cpu_description()})"
+
+
+def resolve_dtype(flag: str | None, preset: str | None, preset_source: str | None = None) -> tuple[torch.dtype, str]:
+    """--dtype flag > a preset's dtype > default_dtype(): a flag given (even 'auto') decides; without one the
+    preset's dtype does, 'auto' or none meaning default_dtype(). -> (dtype, the start-up line). Names are DTYPES'
+    keys or 'auto'; a recipe checks them before calling."""
+    name, source = (flag, "--dtype") if flag is not None else (preset, preset_source or "the preset")
+    if name is not None and name != AUTO:
+        return DTYPES[name], describe_dtype_choice(DTYPES[name], source)
+    dtype = default_dtype()
+    return dtype, describe_dtype_choice(dtype)

@@ -1,13 +1,15 @@
 """The engine against transformers `generate` on the same ~200M-parameter DeepSeek-V4 checkpoint, in one run.
 
-    python bench.py [--threads 2] [--repeats 2] [--quick]
+    python bench.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
 
-Writes the checkpoint once (weights/deepseek-v4-bench, bf16, hidden 1024, every layer kind), then measures:
-decode tok/s at batch 1 and 16 (128-token prompts, 128 new tokens; decode = generate(128) - generate(1), the
-same for both sides); a mixed workload (64 requests, prompt and output lengths uniform in [32, 512], fixed
-seed) in total tok/s, transformers in static batches of 16; and the batch-1 decode roofline: active weight
-bytes per token over the memory read bandwidth measured here. Each row keeps each side's best of --repeats
-alternating runs. Prints a table, then one line of ratios.
+Writes the checkpoint once (weights/deepseek-v4-bench, bf16, hidden 1024, every layer kind), loads it in --dtype
+for both sides (auto: common.backend.default_dtype(): bf16 where the CPU's oneDNN runs bf16, else fp32), then
+measures: decode tok/s at batch 1 and 16 (128-token prompts, 128 new tokens; decode = generate(128) -
+generate(1), the same for both sides); a mixed workload (64 requests, prompt and output lengths uniform in [32,
+512], fixed seed) in total tok/s, transformers in static batches of 16; and the batch-1 decode roofline: active
+weight bytes per token (in the run's dtype) over the memory read bandwidth measured here by reading a buffer of the
+run's dtype at the run's thread count. Each row keeps each side's best of --repeats alternating runs. Prints a
+table, then one line of ratios.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
+from common import backend
 from common.engine import LLM, SamplingParams
 from config_deepseek_v4 import CSA, HCA, ModelArgs
 from tiny_deepseek_v4 import write_tiny_checkpoint
@@ -41,9 +44,10 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def read_bandwidth(gib: float = 1.0) -> float:
-    """Bytes/s of a streaming read (sum over a bf16 buffer larger than the caches), best of 5."""
-    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16)
+def read_bandwidth(dtype: torch.dtype, gib: float = 1.0) -> float:
+    """Bytes/s of a streaming read (sum over a buffer of `dtype` larger than the caches), best of 5; at the
+    current thread count, so measure it with the run's threads and dtype."""
+    x = torch.ones(int(gib * 2**30) // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
     x.sum()
     return x.nbytes / min(timed(lambda: x.sum()) for _ in range(5))
 
@@ -119,17 +123,23 @@ def main():
     p.add_argument("--quick", action="store_true", help="small workloads (a smoke run, not the reported numbers)")
     p.add_argument("--repeats", type=int, default=2, help="measure each row this many times, engine and "
                    "transformers alternating, and keep each side's best (this VM's bandwidth drifts)")
+    p.add_argument("--dtype", choices=[backend.AUTO, *sorted(backend.DTYPES)], default=backend.AUTO,
+                   help="both sides' weights (auto: backend.default_dtype(), which follows the CPU)")
     a = p.parse_args()
+    dtype, dtype_line = backend.resolve_dtype(a.dtype, None)
+    print(dtype_line, flush=True)
     torch.set_num_threads(a.threads)
     if not (BENCH / "config.json").exists():
         write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, **BENCH_CONFIG)
     args = ModelArgs.from_config({**BENCH_CONFIG})
     tok = AutoTokenizer.from_pretrained(BENCH)
-    model = load_model(BENCH, torch.bfloat16)
+    model = load_model(BENCH, dtype)
+    # counted before the engine packs the CPU bf16 weights (common.cpu_gemm), which are no parameters after that
+    n_params = sum(p.numel() for p in model.parameters())
+    per_token = active_bytes_per_token(model)
     llm = LLM(model, tok, block_size=128, max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
               kv_cache_memory_bytes=2 * 2**30)
-    hf = DeepseekV4ForCausalLM.from_pretrained(BENCH, dtype=torch.bfloat16).eval()
-    n_params = sum(p.numel() for p in model.parameters())
+    hf = DeepseekV4ForCausalLM.from_pretrained(BENCH, dtype=dtype).eval()
     ours = lambda b, n: ours_generate(llm, b, n)  # noqa: E731
     theirs = lambda b, n: hf_generate(hf, b, n, pad=0)  # noqa: E731
     for gen in (ours, theirs):  # warm-up
@@ -154,12 +164,12 @@ def main():
                    lambda: total / sum(timed(lambda: theirs(b, n)) for b, n in static_batches))
     rows.append(("mixed workload total tok/s", o, t))
 
-    bw = read_bandwidth()
-    per_token = active_bytes_per_token(model)
+    bw = read_bandwidth(dtype)  # the run's dtype and threads
     roofline = bw / per_token
     floors = {bs: gemm_seconds_per_step(llm, bs, args.vocab_size) for bs in (1, 16)}  # GEMM s / step
     print(f"\nDeepSeek-V4 bench checkpoint: {n_params / 1e6:.0f}M parameters, {per_token / 2**20:.0f} MiB active "
-          f"weights per token (bf16); {a.threads} threads; {platform.processor() or platform.machine()}; "
+          f"weights per token ({backend.dtype_name(dtype)}); {a.threads} threads; "
+          f"{platform.processor() or platform.machine()}; "
           f"read bandwidth {bw / 1e9:.1f} GB/s -> batch-1 roofline {roofline:.1f} tok/s")
     print(f"{'metric':<30}{'engine':>12}{'transformers':>14}{'ratio':>8}")
     for name, ours_v, theirs_v in rows:

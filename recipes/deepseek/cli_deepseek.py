@@ -18,7 +18,8 @@ from weights_deepseek_v4 import load_model
 HERE = Path(__file__).resolve().parent
 TINY = HERE.parents[1] / "weights" / "deepseek-v4-tiny"
 DEFAULT_PRESET = HERE / "configs" / "tiny-cpu.yaml"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# --dtype / a preset's dtype; auto (also a preset without one): backend.default_dtype(), which follows the device
+DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -45,7 +46,12 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     world = max([1, *(int(size) for size in (a.preset.get("parallel") or {}).values())])
     if world > 1:
         p.error(f"--config {a.config.name} needs {world} ranks; multi-rank runs arrive with the distributed executor")
-    a.dtype = DTYPES[a.dtype or a.preset.get("dtype", "bf16")]
+    preset_dtype = a.preset.get("dtype", backend.AUTO)  # --dtype > the preset's dtype > auto (follows the device)
+    if preset_dtype not in DTYPES:
+        p.error(f"--config {a.config.name}: dtype {preset_dtype!r}, expected one of {sorted(DTYPES)}")
+    source = f"configs/{a.config.name}" if a.config.resolve().parent == HERE / "configs" else str(a.config)
+    a.dtype, line = backend.resolve_dtype(a.dtype, preset_dtype, source)
+    print(line, flush=True)  # stdout, beside the run's other lines; stderr stays for errors
 
 
 def load(a: argparse.Namespace):
@@ -60,5 +66,10 @@ def load(a: argparse.Namespace):
             raise ValueError(f"unknown engine settings in {a.config.name}: {sorted(rest)}")
         return load_model(path, a.dtype, backend.device()), AutoTokenizer.from_pretrained(path), config
     except (CheckpointError, ValueError, TypeError, OSError) as e:
-        print("error: " + "; ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
-        sys.exit(2)
+        fail(e)
+
+
+def fail(e: Exception | str) -> None:
+    """Exit with code 2 and the reason on one line (no traceback)."""
+    print("error: " + "; ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
+    sys.exit(2)

@@ -96,9 +96,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         preset = yaml.safe_load(a.config.read_text()) or {}
     except yaml.YAMLError as e:
         p.error(f"--config {a.config}: not valid YAML ({str(e).splitlines()[0]})")
-    a.dtype = preset.get("dtype", "fp32")
-    if a.dtype not in DTYPES:
-        p.error(f"--config {a.config.name}: dtype {a.dtype!r} is not one of {sorted(DTYPES)}")
+    a.dtype = preset.get("dtype", backend.AUTO)  # a name, or auto (also no dtype): backend.default_dtype()
+    if a.dtype not in (backend.AUTO, *DTYPES):
+        p.error(f"--config {a.config.name}: dtype {a.dtype!r} is not one of {sorted([backend.AUTO, *DTYPES])}")
+    source = f"configs/{a.config.name}" if a.config.resolve().parent == HERE / "configs" else str(a.config)
+    a.torch_dtype, a.dtype_line = backend.resolve_dtype(None, a.dtype, source)
     a.batch_users = a.batch_users if a.batch_users is not None else int(preset.get("batch_users", 8))
     cache = preset.get("cache") or {}
     a.num_pages = a.num_pages if a.num_pages is not None else int(cache.get("num_pages", 96))
@@ -120,7 +122,7 @@ def main(argv=None) -> None:
     if a.data is None and not (DATA / "log_standard_1k.csv").exists():
         write_synthetic(DATA)
     try:
-        model = load_model(a.weights or TINY, backend.device(), DTYPES[a.dtype])
+        model = load_model(a.weights or TINY, backend.device(), a.torch_dtype)
         users, dates = read_dataset(a.data or DATA)
         cache = make_cache(model, a.num_pages, a.page_size, a.host_chunk_size) if a.mode == "simulate" else None
         start = time.perf_counter()
@@ -132,6 +134,7 @@ def main(argv=None) -> None:
         sys.exit(2)
     for t, task in enumerate(TASKS):
         print(f"auc {task:<17} {auc(logits[:, t], labels[:, t]):.4f}  positives={int(labels[:, t].sum())}")
+    print(a.dtype_line)  # here, not first: the first lines are the scores and the last the stats (what tests read)
     hit = f"{cache.stats.hit_ratio:.3f}" if cache else "n/a"
     evicted, onloaded = (cache.stats.evicted_users, cache.stats.onloaded_tokens) if cache else (0, 0)
     print(f"mode={a.mode} users={len(users)} days={len(dates)} candidates={len(labels)} "

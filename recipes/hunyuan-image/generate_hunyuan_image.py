@@ -49,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--infer-steps", type=int, help="denoising steps (the publisher's default is 50)")
     p.add_argument("--guidance", type=float, help="CFG scale (<= 1: no CFG)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--dtype", choices=[backend.AUTO, *sorted(DTYPES)],
+                   help="overrides the preset's (auto: bf16 on NPU and where the CPU's oneDNN runs bf16, else fp32)")
     p.add_argument("--cfg-parallel", action="store_true", default=None, help="cond and uncond on two rank halves")
     p.add_argument("--tp", type=int, help="attention tensor parallel size (divides the kv heads)")
     p.add_argument("--ep", type=int, help="MoE expert parallel size (divides the experts)")
@@ -64,13 +65,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--config {a.config}: not valid YAML ({str(e).splitlines()[0]})")
     if not isinstance(preset, dict) or set(preset) - set(PRESET):
         p.error(f"--config {a.config}: expected a mapping of {sorted(PRESET)}")
+    flag_dtype = a.dtype
     for key, kind in PRESET.items():
         if getattr(a, key) is None:
             if key not in preset or not isinstance(preset[key], kind if kind is not float else (int, float)):
                 p.error(f"--config {a.config}: {key} missing or not a {kind.__name__}")
             setattr(a, key, preset[key])
-    if a.dtype not in DTYPES:
-        p.error(f"--config {a.config}: dtype {a.dtype!r} is not one of {sorted(DTYPES)}")
+    if a.dtype not in (backend.AUTO, *DTYPES):
+        p.error(f"--config {a.config}: dtype {a.dtype!r} is not one of {sorted([backend.AUTO, *DTYPES])}")
+    # --dtype > the preset's dtype > auto (backend.default_dtype()); a.dtype keeps the name, e.g. "fp32"
+    source = f"configs/{a.config.name}" if a.config.resolve().parent == HERE / "configs" else str(a.config)
+    dtype, a.dtype_line = backend.resolve_dtype(flag_dtype, preset.get("dtype"), source)
+    a.dtype = backend.dtype_name(dtype)
     try:
         a.size = parse_image_size(a.image_size)
     except ValueError as e:
@@ -120,6 +126,8 @@ def main(argv=None) -> int:
     if a.weights is None and not (TINY / "config.json").exists():
         write_tiny_checkpoint(TINY)
     par = parallel.init_parallel(a.layout)
+    if par.rank == 0:
+        print(a.dtype_line, flush=True)
     try:
         try:
             model = load_model(path, DTYPES[a.dtype], par.group("tp"), par.group("ep"),

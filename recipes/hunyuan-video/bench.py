@@ -1,8 +1,9 @@
 """The HunyuanVideo DiT against diffusers' HunyuanVideoTransformer3DModel on the same weights, in one run.
 
-    python recipes/hunyuan-video/bench.py [--reps 3] [--steps 20] [--threads 1] [--quick]
+    python recipes/hunyuan-video/bench.py [--reps 3] [--steps 20] [--threads 1] [--dtype auto|bf16|fp32] [--quick]
 
-Random weights (fixed seed) in bf16, the bench config below (hidden 512 = 4 heads x 128, RoPE [16, 56, 56],
+Random weights (fixed seed) in --dtype (auto: common.backend.default_dtype(), bf16 where the CPU's oneDNN runs
+bf16, fp32 on AVX2-only CPUs), the bench config below (hidden 512 = 4 heads x 128, RoPE [16, 56, 56],
 4 double + 4 single blocks, text dims 4096 / 768 as the publisher's), converted to diffusers' names for the
 reference. One sample: latent [1, 16, 4, 16, 16] (256 video tokens) and a prompt padded to 256 tokens of which 40
 are real, as the pipeline passes it. Measured, median of --reps after one warm-up:
@@ -11,7 +12,9 @@ are real, as the pipeline passes it. Measured, median of --reps after one warm-u
 - achieved GFLOP/s of our forward: the useful FLOPs counted analytically (video + real text tokens; every
   linear, conv, attention score and value product, 2 FLOPs per multiply-add; within 0.3% of what
   torch.utils.flop_counter.FlopCounterMode counts for this forward) over the measured time, against a
-  bf16 matmul peak measured in the same run (best of a few 2048^3 GEMMs; target >= 50%);
+  matmul peak measured in the same run in the run's dtype, threads and clock (the best of n^3 GEMMs, n = 512, 1024,
+  2048, in the nn.Linear layout, and of torch's fused attention: common.backend.gemm_peak_gflops,
+  attention_peak_gflops; target >= 50%);
 - a denoising loop of --steps steps (FlowMatchEulerDiscreteScheduler, shift 7) with each step cache (none,
   teacache 0.15, fbcache 0.05, taylorseer interval 5 order 1): wall time, speed-up over no cache, steps computed,
   and the PSNR of the final latent against the uncached loop's.
@@ -43,7 +46,7 @@ LATENT = (1, 16, 4, 16, 16)
 TEXT_LEN, TEXT_REAL = 256, 40
 CACHES = (("none", {}), ("teacache", {"threshold": 0.15}), ("fbcache", {"threshold": 0.05}),
           ("taylorseer", {"interval": 5, "order": 1}))
-DTYPE = torch.bfloat16
+DTYPE = torch.bfloat16  # main() sets the run's dtype (--dtype)
 
 
 def forward_flops(cfg: HunyuanVideoConfig, latent: tuple, text_tokens: int) -> float:
@@ -59,14 +62,6 @@ def forward_flops(cfg: HunyuanVideoConfig, latent: tuple, text_tokens: int) -> f
     single = 2 * S * C * (3 * C + M) + 2 * S * (C + M) * C + 4 * S * S * C
     final = 2 * N * C * math.prod(cfg.patch_size) * cfg.out_channels
     return float(patch + refiner + cfg.mm_double_blocks_depth * double + cfg.mm_single_blocks_depth * single + final)
-
-
-def matmul_peak(reps: int = 5, n: int = 2048) -> float:
-    """Best achieved bf16 GEMM GFLOP/s on an n^3 product."""
-    a, b = torch.randn(n, n, dtype=DTYPE), torch.randn(n, n, dtype=DTYPE)
-    a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(reps))
-    return 2 * n**3 / best / 1e9
 
 
 CLOCK = time.perf_counter  # main() switches to time.thread_time with one thread
@@ -122,10 +117,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared, "
                         "and two threads that are descheduled in turn wait on each other)")
+    parser.add_argument("--dtype", choices=[backend.AUTO, *sorted(backend.DTYPES)], default=backend.AUTO,
+                        help="weights and activations (auto: backend.default_dtype(), which follows the CPU)")
     parser.add_argument("--quick", action="store_true", help="1 rep, 8 steps (a smoke run)")
     args = parser.parse_args()
     if args.quick:
         args.reps, args.steps = 1, 8
+    global DTYPE
+    DTYPE, dtype_line = backend.resolve_dtype(args.dtype, None)
+    print(dtype_line, flush=True)
     torch.set_num_threads(args.threads)
     heap = backend.keep_freed_host_memory()  # what the pipeline's CPU path does; both sides benefit
     global CLOCK
@@ -146,7 +146,8 @@ def main() -> None:
                      encoder_attention_mask=x["encoder_attention_mask"][:, :TEXT_REAL])  # the prompt unpadded
         t_ours_short, t_ref_short = paired_times([lambda: ours(**short), lambda: reference(**short, return_dict=False)],
                                                  args.reps)
-        peak = matmul_peak()
+        # the run's dtype, threads and clock; the fused attention too, which outruns bf16 GEMMs without oneDNN bf16
+        peak = max(backend.gemm_peak_gflops(DTYPE, clock=CLOCK), backend.attention_peak_gflops(DTYPE, clock=CLOCK))
         flops = forward_flops(cfg, LATENT, TEXT_REAL)
         achieved = flops / t_ours / 1e9
         loops = {}
@@ -157,18 +158,19 @@ def main() -> None:
             loops[name] = (CLOCK() - start, latent, sum(cache.computed))
 
     clock = "thread CPU time" if CLOCK is time.thread_time else "wall time"
+    dname = backend.dtype_name(DTYPE)
     print(f"HunyuanVideo DiT bench: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads "
           f"({clock}), "
-          f"torch {torch.__version__}; random bf16 weights (seed 0), hidden {cfg.hidden_size} = {cfg.heads_num} x "
+          f"torch {torch.__version__}; random {dname} weights (seed 0), hidden {cfg.hidden_size} = {cfg.heads_num} x "
           f"{cfg.head_dim}, {cfg.mm_double_blocks_depth} double + {cfg.mm_single_blocks_depth} single blocks, "
           f"latent {list(LATENT)}, text {TEXT_REAL} real of {TEXT_LEN}; freed host memory kept in the heap: {heap}")
-    print(f"output vs diffusers (bf16): max |diff| / max |ref| = {diff:.2e}")
+    print(f"output vs diffusers ({dname}): max |diff| / max |ref| = {diff:.2e}")
     print(f"{'':28}{'ours':>12}{'diffusers':>12}{'ratio':>10}")
     print(f"{'DiT step (ms)':28}{t_ours * 1e3:12.1f}{t_ref * 1e3:12.1f}{t_ours / t_ref:9.2f}x")
     print(f"{'  prompt unpadded (ms)':28}{t_ours_short * 1e3:12.1f}{t_ref_short * 1e3:12.1f}"
           f"{t_ours_short / t_ref_short:9.2f}x")
     print(f"{'GFLOP/s (useful)':28}{achieved:12.1f}{flops / t_ref / 1e9:12.1f}")
-    print(f"{'bf16 matmul peak GFLOP/s':28}{peak:12.1f}{'':12}{achieved / peak:9.0%} of peak")
+    print(f"{dname + ' matmul peak GFLOP/s':28}{peak:12.1f}{'':12}{achieved / peak:9.0%} of peak")
     print(f"\n{args.steps}-step loop (shift 7){'time (s)':>12}{'speed-up':>10}{'computed':>10}{'PSNR (dB)':>11}")
     base_time, base_latent, _ = loops["none"]
     for name, (seconds, latent, computed) in loops.items():
@@ -177,7 +179,7 @@ def main() -> None:
     speedups = " ".join(f"{name} {base_time / loops[name][0]:.2f}x (PSNR {psnr(loops[name][1], base_latent):.1f} dB)"
                         for name, _ in CACHES[1:])
     print(f"\nratios: step {t_ours / t_ref:.2f}x diffusers (target <= 0.8; {t_ours_short / t_ref_short:.2f}x "
-          f"unpadded); {achieved / peak:.0%} of matmul peak "
+          f"unpadded); {achieved / peak:.0%} of the {dname} matmul peak "
           f"(target >= 50%); {speedups}")
 
 

@@ -23,6 +23,7 @@ from sampling_hunyuan_video import SamplingConfig
 HERE = Path(__file__).resolve().parent
 TINY = HERE.parents[1] / "weights" / "hunyuan-video-tiny"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+AUTO = "auto"  # --dtype / a preset's dtype (also a preset without one): common.backend.default_dtype()
 DEFAULT_PROMPT = "A cat walks on the grass, realistic style."
 
 
@@ -50,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ring-degree", type=int, help="ring-attention ranks; sp = ulysses degree x ring degree")
     p.add_argument("--cfg-parallel", action="store_true", help="cond / uncond branches on two ranks")
     p.add_argument("--vae-tiling", action="store_true", help="tiled (patch-parallel under sp) VAE decode")
-    p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--dtype", choices=[AUTO, *sorted(DTYPES)], help="overrides the preset's dtype (auto: follow the "
+                   "device: bf16 on NPU and where the CPU's oneDNN runs bf16, fp32 on AVX2-only CPUs)")
     p.add_argument("--world-size", action="store_true", help=argparse.SUPPRESS)  # run.sh: how many ranks to launch
     p.add_argument("--output", type=Path, default=HERE.parents[1] / "outputs" / "hunyuan-video" / "video.mp4")
     a = p.parse_args(argv)
@@ -98,10 +100,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"sp={a.sp} x cfg={a.cfg} needs {a.sp * a.cfg} ranks, this run has {world}: launch through run.sh")
     a.text_encoder = preset.get("text_encoder") or {}
     a.vae_tiling = a.vae_tiling or bool(preset.get("vae_tiling", False))
-    for name, default in (("dtype", "bf16"), ("vae_dtype", "fp32")):
-        if preset.get(name, default) not in DTYPES:
-            p.error(f"--config {a.config.name}: {name} {preset[name]!r}, expected one of {sorted(DTYPES)}")
-    a.dtype = DTYPES[a.dtype or preset.get("dtype", "bf16")]
+    for name, default, allowed in (("dtype", AUTO, [AUTO, *DTYPES]), ("vae_dtype", "fp32", list(DTYPES))):
+        if preset.get(name, default) not in allowed:
+            p.error(f"--config {a.config.name}: {name} {preset[name]!r}, expected one of {sorted(allowed)}")
+    from common import backend  # only torch: the start-up check stays light
+
+    source = f"configs/{a.config.name}" if a.config.resolve().parent == HERE / "configs" else str(a.config)
+    a.dtype, a.dtype_line = backend.resolve_dtype(a.dtype, preset.get("dtype", AUTO), source)
     a.vae_dtype = DTYPES[preset.get("vae_dtype", "fp32")]
     return a
 
@@ -121,6 +126,8 @@ def main(argv=None) -> int:
 
     hf_logging.disable_progress_bar()  # per-tensor "Loading weights" bars; the denoising loop keeps its own
     parallel = init_parallel(ParallelLayout(cfg=a.cfg, sp=a.sp))
+    if parallel.rank == 0:
+        print(a.dtype_line, flush=True)
     try:
         root = a.weights or TINY
         if a.weights is None and not TINY.exists() and parallel.rank == 0:

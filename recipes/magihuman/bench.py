@@ -1,16 +1,19 @@
 """MagiHuman pipeline per-stage timings, resident vs offload, and the DiT step's achieved GFLOP/s.
 
-    python recipes/magihuman/bench.py [--seconds 1] [--size 128x128] [--reps 2] [--threads 2]
+    python recipes/magihuman/bench.py [--seconds 1] [--size 128x128] [--reps 2] [--threads 2] [--dtype auto|bf16|fp32]
 
 Bench model set: the tiny text encoder and VAEs (weights/magihuman-tiny) with a larger random distilled DiT
-(hidden 512, 8 layers, head_dim 64, 8 q / 2 kv heads, sandwich layers 0 and 7, gelu7 in layer 0; 33M parameters,
-bf16 linears) written once to weights/magihuman-bench. Distilled mode (8 steps). Measured in one run, the fastest of
+(hidden 512, 8 layers, head_dim 64, 8 q / 2 kv heads, sandwich layers 0 and 7, gelu7 in layer 0; 33M parameters)
+written once to weights/magihuman-bench; its linears run in --dtype (auto: common.backend.default_dtype(), bf16
+where the CPU's oneDNN runs bf16, fp32 on AVX2-only CPUs). Distilled mode (8 steps). Measured in one run, the fastest of
 --reps (resident and offload runs alternate, so both see the same load on a shared machine) after a warm-up:
 - the whole pipeline per stage (text, denoise, vae_decode, audio_decode), models resident (loaded once), against
   the same pipeline with --offload (only the running stage's model kept; on the CPU that frees and reloads it);
 - one DiT forward at the clip's token count, its FLOPs counted from the config (linears, attention scores and
-  values; the linears' count equals torch's FlopCounterMode), as achieved GFLOP/s against a bf16 [2048 x 2048] @ [2048 x 2048] matmul peak measured here (fastest
-  of 5 steps, fastest of 10 matmuls).
+  values; the linears' count equals torch's FlopCounterMode), as achieved GFLOP/s against a matmul peak measured
+  here in the DiT's dtype and thread count: the best n^3 GEMM, n = 512, 1024, 2048, in the nn.Linear layout, or
+  fused attention (common.backend.gemm_peak_gflops / attention_peak_gflops; fastest of 5 steps, fastest of 10
+  GEMMs, before and after the pipeline runs).
 Prints two tables and one final line.
 """
 from __future__ import annotations
@@ -72,23 +75,17 @@ def dit_flops(c: MagiHumanConfig, tokens: int, video: int, audio: int) -> float:
     return linear_flops(c, tokens, video, audio) + attention_flops(c, tokens)
 
 
-def matmul_peak(device, dtype=torch.bfloat16, n: int = 2048, reps: int = 10) -> float:
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
-    times = []
-    for _ in range(reps):
-        backend.synchronize()
-        start = time.perf_counter()
-        a @ b
-        backend.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * n ** 3 / min(times) / 1e9
+def dit_peak(dtype) -> float:
+    """The DiT's dtype, at the run's thread count: the best GEMM, or torch's fused attention (which outruns bf16
+    GEMMs where oneDNN has no bf16 kernels)."""
+    return max(backend.gemm_peak_gflops(dtype, reps=10), backend.attention_peak_gflops(dtype, head_dim=64))
 
 
 def time_pipelines(weights, device, args):
     """Resident and offload pipelines, warmed up, then run alternately (both see the same machine load); the
     fastest of --reps runs per stage. Returns (resident pipeline, {mode: timings}, {mode: first run s}, outputs)."""
-    pipes = {"resident": MagiHumanPipeline(weights, device), "offload": MagiHumanPipeline(weights, device, offload=True)}
+    pipes = {"resident": MagiHumanPipeline(weights, device, dtype=args.dtype),
+             "offload": MagiHumanPipeline(weights, device, offload=True, dtype=args.dtype)}
     run = lambda pipe: pipe(PROMPT, mode="distill", seconds=args.seconds, size=args.size, seed=0)  # noqa: E731
     first, outputs, runs = {}, {}, {name: [] for name in pipes}
     for name, pipe in pipes.items():
@@ -110,13 +107,17 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=parse_size, default=(128, 128))
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--dtype", choices=[backend.AUTO, *sorted(backend.DTYPES)], default=backend.AUTO,
+                   help="the DiT's and text encoder's dtype (auto: backend.default_dtype(), which follows the CPU)")
     args = p.parse_args(argv)
+    args.dtype, dtype_line = backend.resolve_dtype(args.dtype, None)
+    print(dtype_line, flush=True)
     torch.set_num_threads(args.threads)
     quiet_libraries()
     cpu_settings()
     device = backend.device()
     weights = ensure_bench()
-    peak_before = matmul_peak(device)
+    peak_before = dit_peak(args.dtype)
 
     pipe, best, first, outputs = time_pipelines(weights, device, args)
     resident, offload = best["resident"], best["offload"]
@@ -142,7 +143,8 @@ def main(argv=None) -> int:
     tokens = inp.video_tokens + A + text_len
     gflops = dit_flops(c, tokens, inp.video_tokens, A) / step / 1e9
     params = sum(t.numel() for t in dit.state_dict().values())
-    peak = max(peak_before, matmul_peak(device))  # before and after the runs: the less disturbed of the two
+    peak = max(peak_before, dit_peak(args.dtype))  # before and after the runs: the less disturbed of the two
+    name = backend.dtype_name(args.dtype)
 
     print(f"# {platform.processor() or platform.machine()}, {backend.device_type()}, torch {torch.__version__}, "
           f"{args.threads} threads; distilled mode, {args.seconds:g} s at {args.size[0]}x{args.size[1]} "
@@ -152,10 +154,10 @@ def main(argv=None) -> int:
         ratio = f"{offload[k] / resident[k]:.2f}x" if resident[k] > 1e-3 else "-"
         print(f"{k:<14}{resident[k]:>12.3f}{offload[k]:>12.3f}{ratio:>18}")
     print(f"{'first run':<14}{first['resident']:>12.3f}{first['offload']:>12.3f}")
-    print(f"{'DiT step':<14}{step * 1e3:>10.1f}ms  {gflops:>8.2f} GFLOP/s  bf16 matmul peak {peak:.1f} GFLOP/s")
+    print(f"{'DiT step':<14}{step * 1e3:>10.1f}ms  {gflops:>8.2f} GFLOP/s  {name} matmul peak {peak:.1f} GFLOP/s")
     print(f"magihuman bench: offload/resident total {offload['total'] / resident['total']:.2f}x "
           f"(load {offload['load']:.2f}s vs {resident['load']:.2f}s), DiT step {gflops:.1f} GFLOP/s = "
-          f"{100 * gflops / peak:.1f}% of the bf16 matmul peak {peak:.1f} GFLOP/s")
+          f"{100 * gflops / peak:.1f}% of the {name} matmul peak {peak:.1f} GFLOP/s")
     return 0
 
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 MODES = ("base", "distill", "sr540", "sr1080")  # pipeline_magihuman.MODES; the heavy imports wait for valid args
+DTYPES = ("auto", "bf16", "fp16", "fp32")  # auto: common.backend.default_dtype(), which follows the device
 
 HERE = Path(__file__).resolve().parent
 TINY = HERE.parents[1] / "weights" / "magihuman-tiny"
@@ -68,6 +69,8 @@ def parser() -> ArgumentParser:
     p.add_argument("--sr-size", type=parse_size, help="WIDTHxHEIGHT of the SR stage (default 2x / 4x the base size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--offload", action="store_true", help="keep only the running stage's model on the device")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="the DiTs' and text encoder's dtype (auto: bf16 "
+                   "on NPU and where the CPU's oneDNN runs bf16, fp32 on AVX2-only CPUs; the VAEs stay fp32 on CPU)")
     p.add_argument("--out", type=Path, help="output MP4 (default outputs/magihuman/<mode>-<seed>.mp4)")
     return p
 
@@ -101,9 +104,12 @@ def main(argv=None) -> int:
     from common.loader import CheckpointError
     from pipeline_magihuman import NEGATIVE_PROMPT, MagiHumanPipeline
 
+    dtype, line = backend.resolve_dtype(a.dtype, None)
+    print(line, flush=True)
     start = time.perf_counter()
     try:
-        pipe = MagiHumanPipeline(ensure_tiny() if tiny else a.weights, backend.device(), offload=a.offload)
+        pipe = MagiHumanPipeline(ensure_tiny() if tiny else a.weights, backend.device(), offload=a.offload,
+                                 dtype=dtype)
         gen = pipe(a.prompt, mode=a.mode, seconds=seconds, size=size, seed=a.seed, image=image, sr_size=a.sr_size,
                    negative_prompt=a.negative_prompt or NEGATIVE_PROMPT)
     except (CheckpointError, OSError, ValueError) as e:

@@ -60,10 +60,12 @@ def dit_name(mode: str) -> str:
 
 
 class MagiHumanPipeline:
-    def __init__(self, weights, device=None, offload: bool = False, dtype=torch.bfloat16, vae_dtype=None):
-        """vae_dtype: default fp32 on the CPU, else `dtype` (bf16, as upstream)."""
+    def __init__(self, weights, device=None, offload: bool = False, dtype=None, vae_dtype=None):
+        """dtype: default backend.default_dtype() (bf16 on NPU, as upstream, and where the CPU's oneDNN runs bf16;
+        fp32 on AVX2-only CPUs). vae_dtype: default fp32 on the CPU, else `dtype`."""
         from transformers import AutoTokenizer
 
+        dtype = dtype or backend.default_dtype()
         self.device = torch.device(device or backend.device())
         self.weights, self.dtype = Path(weights), dtype
         self.vae_dtype = vae_dtype or (torch.float32 if self.device.type == "cpu" else dtype)

@@ -4,6 +4,7 @@
 # to outputs/magihuman/ and print its path and the stage timings. See README.md.
 #   bash recipes/magihuman/run.sh [--weights DIR] [--mode base|distill|sr540|sr1080] [--prompt TEXT] [--image FILE]
 #                                 [--seconds S] [--size WxH] [--sr-size WxH] [--seed N] [--offload] [--out FILE]
+#                                 [--dtype auto|bf16|fp16|fp32]
 set -euo pipefail
 cd "$(dirname "$0")"
 exec python generate_magihuman.py "$@"
