@@ -5,6 +5,11 @@ share a node's fast links); each named group holds the ranks that differ only al
 mesh axis: an ep group is a block of `ep` neighbouring ranks (an LLM's experts spread over its tp x dp ranks), so
 `ep` must be a multiple of `tp` and divide the world size, and is only allowed with sp = cfg = 1.
 
+`LLMParallelLayout` is the LLM executor's layout, in upstream's names (cann-recipes-infer `parallel_config`):
+attention tensor parallel (`attn_tp`, blocks of neighbouring ranks) inside attention data parallel (`attn_dp`,
+derived), experts over `moe_ep` (derived: world / moe_tp), vocab-parallel embedding and LM head over blocks of
+`embed_tp` / `lmhead_tp` ranks.
+
 Not launched by torchrun (no WORLD_SIZE in the environment): a single-process mode with every size 1 and every
 group None; the helpers below then return their input, so modeling code needs no `if distributed` branches.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +27,7 @@ from common import backend
 
 MESH_AXES = ("dp", "cfg", "sp", "tp")
 GROUP_NAMES = MESH_AXES + ("ep",)
+LLM_GROUP_NAMES = ("attn_tp", "attn_dp", "moe_tp", "moe_ep", "embed_tp", "lmhead_tp")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -34,6 +41,7 @@ class ParallelLayout:
     sp: int = 1
     tp: int = 1
     ep: int = 1
+    group_names: ClassVar[tuple[str, ...]] = GROUP_NAMES
 
     def __post_init__(self):
         for name in GROUP_NAMES:
@@ -68,6 +76,59 @@ class ParallelLayout:
         return mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis]).tolist()  # [groups, size]
 
 
+@dataclass(slots=True, frozen=True)
+class LLMParallelLayout:
+    """An LLM's parallel sizes over world_size ranks, named as upstream does.
+
+    attn_tp: query heads split over blocks of attn_tp neighbouring ranks, which run the same requests;
+    attn_dp = world / attn_tp: each attention-DP rank (block) its own requests, scheduler and KV cache.
+    moe_ep = world / moe_tp: routed experts sharded over all the ranks of a moe_ep group (moe_tp = 1: every rank).
+    embed_tp / lmhead_tp: vocabulary split over blocks of that many neighbouring ranks (the tokens of their DP
+    ranks gathered for it). Blocks are neighbouring ranks; attn_dp and moe_ep groups are strided across them."""
+
+    world_size: int = 1
+    attn_tp: int = 1
+    moe_tp: int = 1
+    embed_tp: int = 1
+    lmhead_tp: int = 1
+    group_names: ClassVar[tuple[str, ...]] = LLM_GROUP_NAMES
+
+    def __post_init__(self):
+        for name in ("world_size", "attn_tp", "moe_tp", "embed_tp", "lmhead_tp"):
+            size = getattr(self, name)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"parallel size {name}={size!r}: expected an int >= 1")
+            if self.world_size % size:
+                raise ValueError(f"parallel size {name}={size} does not divide the world size {self.world_size}")
+        if self.moe_tp != 1:
+            raise ValueError(f"moe_tp={self.moe_tp}: expert tensor parallel is not built; use moe_tp 1 (every "
+                             "shipped DeepSeek-V4 layout does: experts over all ranks)")
+
+    @property
+    def attn_dp(self) -> int:
+        return self.world_size // self.attn_tp
+
+    @property
+    def moe_ep(self) -> int:
+        return self.world_size // self.moe_tp
+
+    def check_world(self, world_size: int) -> None:
+        if self.world_size != world_size:
+            raise ValueError(f"the parallel layout is for {self.world_size} ranks, but the world has {world_size}")
+
+    def group_ranks(self, name: str) -> list[list[int]]:
+        """Every group named `name` as lists of global ranks (all ranks create all groups, in this order)."""
+        blocks = {"attn_tp": self.attn_tp, "moe_tp": self.moe_tp, "embed_tp": self.embed_tp,
+                  "lmhead_tp": self.lmhead_tp}
+        strided = {"attn_dp": self.attn_tp, "moe_ep": self.moe_tp}  # across the blocks of that size
+        ranks = torch.arange(self.world_size)
+        if name in blocks:
+            return ranks.view(-1, blocks[name]).tolist()
+        if name in strided:
+            return ranks.view(-1, strided[name]).T.tolist()
+        raise KeyError(f"unknown group {name!r}: expected one of {LLM_GROUP_NAMES}")
+
+
 @dataclass(slots=True)
 class Parallel:
     """This process's place in the layout: global rank, local rank (device index) and the named groups.
@@ -75,7 +136,7 @@ class Parallel:
     groups[name] is None when the group has one rank (nothing to communicate); see size() / rank().
     """
 
-    layout: ParallelLayout
+    layout: ParallelLayout | LLMParallelLayout
     rank: int = 0
     local_rank: int = 0
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
@@ -89,8 +150,8 @@ class Parallel:
         return dist.is_initialized()
 
     def group(self, name: str) -> dist.ProcessGroup | None:
-        if name not in GROUP_NAMES:
-            raise KeyError(f"unknown group {name!r}: expected one of {GROUP_NAMES}")
+        if name not in self.layout.group_names:
+            raise KeyError(f"unknown group {name!r}: expected one of {self.layout.group_names}")
         return self.groups.get(name)
 
     def size(self, name: str) -> int:
@@ -114,7 +175,8 @@ def torchrun_env() -> dict[str, str] | None:
     return present
 
 
-def init_parallel(layout: ParallelLayout | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Parallel:
+def init_parallel(layout: ParallelLayout | LLMParallelLayout | None = None,
+                  timeout_s: float = DEFAULT_TIMEOUT_S) -> Parallel:
     """Join the torchrun world (backend from common.backend.dist_backend()) and build the named groups.
 
     layout None: all ranks in dp. timeout_s bounds the rendezvous and every collective, so a missing rank or a
@@ -142,7 +204,7 @@ def init_parallel(layout: ParallelLayout | None = None, timeout_s: float = DEFAU
                 "(a rank failed to start, or MASTER_ADDR / MASTER_PORT differ between ranks)"
             ) from e
     groups = {}
-    for group_name in GROUP_NAMES:
+    for group_name in layout.group_names:
         for ranks in layout.group_ranks(group_name):
             if len(ranks) == 1:
                 continue  # one rank: nothing to communicate; skip the group (every rank skips the same ones)
@@ -197,3 +259,102 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor
     if group_size(group) > 1:
         dist.all_reduce(x, group=group)
     return x
+
+
+def all_gather_sizes(n: int, group: dist.ProcessGroup | None) -> list[int]:
+    """Every rank's n, in group-rank order (a CPU int tensor goes through the collective)."""
+    if group_size(group) == 1:
+        return [n]
+    parts = [torch.zeros(1, dtype=torch.long) for _ in range(group_size(group))]
+    dist.all_gather(parts, torch.tensor([n]), group=group)
+    return [int(p) for p in parts]
+
+
+def all_gather_v(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate every rank's x [sizes[rank], ...] along dim 0 (sizes may differ: padded to the largest)."""
+    if group_size(group) == 1:
+        return x
+    pad = max(sizes)
+    padded = torch.cat([x, x.new_zeros(pad - x.shape[0], *x.shape[1:])])
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+
+def all_to_all_v(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                 group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Rows x[sum(send_splits[:i]) : +send_splits[i]] go to group rank i; what arrives is concatenated by source."""
+    if group_size(group) == 1:
+        return x
+    out = x.new_empty(sum(recv_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def shard(param: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Mark a parameter as this rank's part of a checkpoint tensor split evenly along dim over the group (what
+    common.loader.load_weights reads for it); returns it."""
+    param.shard = (dim, group_rank(group), group_size(group))
+    return param
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, embedding: torch.nn.Embedding, vocab_start: int,
+                             group: dist.ProcessGroup | None) -> torch.Tensor:
+    """ids [T] -> [T, D] with the vocabulary split over the group (this rank holds rows [vocab_start, + n)): the
+    group's ids are gathered (their DP ranks hold different tokens), each rank looks up what it holds, the sum
+    over the group completes every row, and each rank keeps its own."""
+    sizes = all_gather_sizes(ids.shape[0], group)
+    every = all_gather_v(ids, sizes, group) - vocab_start  # [sum T]
+    n = embedding.num_embeddings
+    inside = (every >= 0) & (every < n)
+    out = embedding(every.clamp(0, n - 1)) * inside[:, None].to(embedding.weight.dtype)  # [sum T, D]
+    start = sum(sizes[: group_rank(group)])
+    return all_reduce(out, group)[start: start + ids.shape[0]]
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, head, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """hidden [N, D] -> logits [N, V] with the head's vocabulary split over the group (head: [N, D] -> [N, V/P]):
+    the group's rows are gathered, each rank scores them on its slice, and an all-to-all returns each rank its own
+    rows over the whole vocabulary."""
+    P = group_size(group)
+    sizes = all_gather_sizes(hidden.shape[0], group)
+    local = head(all_gather_v(hidden, sizes, group))  # [sum N, V/P]
+    mine = all_to_all_v(local, sizes, [hidden.shape[0]] * P, group)  # [P * N, V/P]: slice by slice
+    return mine.view(P, hidden.shape[0], -1).transpose(0, 1).reshape(hidden.shape[0], -1)  # [N, V]
+
+
+@dataclass(slots=True)
+class ExpertDispatch:
+    """How rows went to the ranks owning their experts, to send the results back (combine_from_experts)."""
+    order: torch.Tensor | None  # arrival row -> position when grouped by local expert (None: one rank)
+    send: list[int]
+    recv: list[int]
+
+
+def dispatch_to_experts(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, ExpertDispatch]:
+    """Expert parallel, upstream's prefill "double routing": rows [M, D] sorted by global expert, counts [E] rows
+    per expert, experts in contiguous blocks of E/P per group rank. Exchanges the counts, then the rows, and groups
+    what arrived by local expert: (rows [M', D], rows per local expert [E/P], the handle for the way back).
+    On NPU too this is all_to_all: npu_moe_distribute_dispatch_v2 / combine_v2 need an MC2 communication domain
+    sized for a fixed token count, which the variable-length prefill batches here do not give."""
+    P = group_size(group)
+    if P == 1:
+        return rows, counts, ExpertDispatch(None, [rows.shape[0]], [rows.shape[0]])
+    send_counts = counts.view(P, -1)  # [P destination ranks, E/P]
+    recv_counts = all_to_all_v(send_counts, [1] * P, [1] * P, group)  # [P source ranks, E/P]
+    send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+    arrived = all_to_all_v(rows, send, recv, group)  # [M', D]: by source rank, then local expert
+    E_local = send_counts.shape[1]
+    local_expert = torch.repeat_interleave(torch.arange(E_local, device=rows.device).repeat(P), recv_counts.flatten())
+    order = torch.sort(local_expert, stable=True).indices  # [M']
+    return arrived[order], recv_counts.sum(0), ExpertDispatch(order, send, recv)
+
+
+def combine_from_experts(y: torch.Tensor, handle: ExpertDispatch, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The expert outputs y [M', D] (grouped by local expert) back to the ranks and rows they came from: [M, D]."""
+    if handle.order is None:
+        return y
+    back = torch.empty_like(y)
+    back[handle.order] = y  # arrival order
+    return all_to_all_v(back, handle.recv, handle.send, group)

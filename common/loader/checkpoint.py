@@ -3,7 +3,8 @@
 config.json plus model.safetensors, or shards listed in model.safetensors.index.json. Each file's header is checked
 on first use, then the file is opened once (safe_open, memory-mapped) and tensors are copied out one at a time.
 Quantized weights come with a scale companion (`X.weight_scale_inv`, or the publisher's `X.scale`) that names()
-hides and get(name, dtype) applies.
+hides and get(name, dtype) applies. get(name, dtype, shard=(dim, index, count)) reads one rank's part of a tensor
+(safetensors slices: the part's data, plus the scale blocks that cover it); `reads` / `bytes_read` count what was read.
 """
 import difflib
 import json
@@ -14,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from .errors import CheckpointError
 from .header import DTYPES, read_header
-from .quant import dequantize, is_quantized
+from .quant import FP8_BLOCK, MX_GROUP, QUANTIZED_DTYPES, dequant_fp8_block, dequant_mxfp4, dequantize
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX = "model.safetensors.index.json"
@@ -40,6 +41,7 @@ class Checkpoint:
         self.config = read_json(self.path / "config.json")
         self._headers: dict[Path, dict] = {}
         self._handles: dict[Path, object] = {}
+        self.reads: dict[str, int] = {}  # stored tensor name (scales too) -> bytes of data read so far
         if (self.path / INDEX).exists():
             weight_map = read_json(self.path / INDEX).get("weight_map")
             if not isinstance(weight_map, dict):
@@ -80,16 +82,29 @@ class Checkpoint:
             raise CheckpointError(f"{self.file(name)}: tensor {name!r} has dtype {dtype}, which torch cannot hold")
         return DTYPES[dtype]
 
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The stored tensor; with a float dtype, a quantized weight is dequantized through its scale companion."""
-        tensor = self._read(name)
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of tensor data (data + scales) read from the files so far."""
+        return sum(self.reads.values())
+
+    def get(self, name: str, dtype: torch.dtype | None = None,
+            shard: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The stored tensor; with a float dtype, a quantized weight is dequantized through its scale companion.
+
+        shard = (dim, index, count): part `index` of `count` equal parts along `dim` of that same result (the logical,
+        dequantized tensor when dequantizing), equal to get(name, dtype) sliced so; only that part is read.
+        """
         scale_name = self._scale_name(name)
-        if dtype in FLOAT_DTYPES and scale_name and is_quantized(tensor):
-            try:
-                return dequantize(tensor, self._read(scale_name), dtype)
-            except ValueError as e:
-                raise CheckpointError(f"{self.file(name)}: tensor {name!r}: {e}") from None
-        return tensor if dtype is None else tensor.to(dtype)
+        if not (dtype in FLOAT_DTYPES and scale_name and self.dtype(name) in QUANTIZED_DTYPES):
+            part = None if shard is None else self._part(name, self.shape(name), shard)
+            tensor = self._read(name, part)
+            return tensor if dtype is None else tensor.to(dtype)
+        if shard is not None:
+            return self._get_quantized_part(name, scale_name, dtype, shard)
+        try:
+            return dequantize(self._read(name), self._read(scale_name), dtype)
+        except ValueError as e:
+            raise CheckpointError(f"{self.file(name)}: tensor {name!r}: {e}") from None
 
     def close(self):
         self._handles.clear()
@@ -116,12 +131,62 @@ class Checkpoint:
             raise CheckpointError(f"{file}: tensor {name!r} is listed in {INDEX} but absent from the file")
         return header[name]
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _part(self, name: str, shape: torch.Size, shard) -> tuple[int, int, int]:
+        """shard (dim, index, count) of a tensor of (logical) `shape` -> (dim, begin, end) along that dim."""
+        dim, index, count = shard
+        if not (-len(shape) <= dim < len(shape) and 0 <= index < count):
+            raise CheckpointError(f"{self.file(name)}: tensor {name!r} {list(shape)}: no shard {tuple(shard)} "
+                                  f"(dim, index, count)")
+        dim %= len(shape)
+        if shape[dim] % count:
+            raise CheckpointError(f"{self.file(name)}: tensor {name!r} {list(shape)}: dim {dim} of size {shape[dim]} "
+                                  f"does not split into {count} equal parts")
+        size = shape[dim] // count
+        return dim, index * size, (index + 1) * size
+
+    def _get_quantized_part(self, name: str, scale_name: str, dtype: torch.dtype, shard) -> torch.Tensor:
+        """A part of a dequantized weight: the stored data of the part itself, the scale blocks that cover it."""
+        shape, scale_shape, where = self.shape(name), self.shape(scale_name), f"{self.file(name)}: tensor {name!r}"
+        if self.dtype(name) == torch.float8_e4m3fn:                                 # [N, K], scale [N/128, K/128]
+            need = [-(-n // FP8_BLOCK) for n in shape]
+            if len(shape) != 2 or list(scale_shape) != need:
+                raise CheckpointError(f"{where}: fp8 weight {list(shape)} needs a {need} block scale, "
+                                      f"got {list(scale_shape)}")
+            logical, blocks, packed = shape, (FP8_BLOCK, FP8_BLOCK), None
+        elif scale_shape[:-1] == shape[:-1] and scale_shape[-1] * MX_GROUP == shape[-1] * 2:  # [..., K/2], [..., K/32]
+            logical, packed = torch.Size([*shape[:-1], shape[-1] * 2]), len(shape) - 1
+            blocks = (1,) * packed + (MX_GROUP,)
+        else:
+            raise CheckpointError(f"{where}: no dequantization for a {self.dtype(name)} {list(shape)} weight "
+                                  f"with a {list(scale_shape)} scale")
+        dim, begin, end = self._part(name, logical, shard)
+        step, block = (2 if dim == packed else 1), blocks[dim]
+        if begin % step or end % step:
+            raise CheckpointError(f"{where} {list(logical)}: shard {tuple(shard)} splits dim {dim} at odd columns "
+                                  f"[{begin}, {end}); MXFP4 packs two values per byte")
+        w = self._read(name, (dim, begin // step, end // step))
+        scale = self._read(scale_name, (dim, begin // block, -(-end // block)))     # covering blocks
+        offset = begin % block                                                      # of the part in its first block
+        try:
+            if packed is None:
+                return dequant_fp8_block(w, scale, dtype, offset=(offset, 0) if dim == 0 else (0, offset))
+            return dequant_mxfp4(w, scale, dtype, offset=offset)
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+
+    def _read(self, name: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The whole stored tensor, or part = (dim, begin, end) of it, read as a safetensors slice."""
         self._entry(name)
         file = self._files[name]
         try:
             if file not in self._handles:
                 self._handles[file] = safe_open(file, framework="pt")
-            return self._handles[file].get_tensor(name)
+            if part is None:
+                tensor = self._handles[file].get_tensor(name)
+            else:
+                dim, begin, end = part
+                tensor = self._handles[file].get_slice(name)[(slice(None),) * dim + (slice(begin, end),)]
         except SafetensorError as e:
             raise CheckpointError(f"{file}: cannot read tensor {name!r}: {e}") from None
+        self.reads[name] = self.reads.get(name, 0) + tensor.numel() * tensor.element_size()
+        return tensor

@@ -13,10 +13,11 @@ MX_GROUP = 32
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5])
 MX_SCALE_DTYPE = getattr(torch, "float8_e8m0fnu", torch.float32)
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 
 
 def is_quantized(w: torch.Tensor) -> bool:
-    return w.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8)
+    return w.dtype in QUANTIZED_DTYPES
 
 
 def dequantize(w: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -28,26 +29,34 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> tor
     raise ValueError(f"no dequantization for a {w.dtype} {list(w.shape)} weight with a {list(scale.shape)} scale")
 
 
-def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, dtype=torch.float32, block: int = FP8_BLOCK) -> torch.Tensor:
+def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, dtype=torch.float32, block: int = FP8_BLOCK,
+                      offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """offset: where w[0, 0] lies in the block of scale[0, 0] (a slice of a larger weight, with its covering blocks)."""
     n, k = w.shape
-    if scale.shape != (-(-n // block), -(-k // block)):
-        raise ValueError(f"fp8 weight {[n, k]} needs a [{-(-n // block)}, {-(-k // block)}] block scale, "
-                         f"got {list(scale.shape)}")
-    out = w.float()                                                  # [N, K]
-    cols = scale.float().repeat_interleave(block, dim=1)[:, :k]      # [N/128, K]
-    for i, rows in enumerate(out.split(block)):                      # rows: [<=128, K]
-        rows.mul_(cols[i])
+    r0, c0 = offset
+    nb, kb = -(-(r0 + n) // block), -(-(c0 + k) // block)
+    if scale.shape != (nb, kb):
+        raise ValueError(f"fp8 weight {[n, k]} needs a [{nb}, {kb}] block scale, got {list(scale.shape)}")
+    out = w.float()                                                          # [N, K]
+    cols = scale.float().repeat_interleave(block, dim=1)[:, c0:c0 + k]       # [Nb, K]
+    for i in range(nb):                                                      # rows [128i - r0, 128(i+1) - r0)
+        out[max(0, i * block - r0):(i + 1) * block - r0].mul_(cols[i])
     return out.to(dtype)
 
 
-def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32, offset: int = 0) -> torch.Tensor:
+    """offset: where packed[..., 0]'s first value lies in the group of scale[..., 0] (a slice of a larger weight)."""
     u = packed.view(torch.uint8)                                     # [..., K/2]
     codes = torch.stack([u & 0xF, u >> 4], dim=-1).flatten(-2)       # [..., K] low nibble first
-    if scale.shape != (*codes.shape[:-1], codes.shape[-1] // MX_GROUP):
-        raise ValueError(f"mxfp4 weight {list(codes.shape)} needs a {[*codes.shape[:-1], codes.shape[-1] // MX_GROUP]} "
-                         f"scale, got {list(scale.shape)}")
-    w = E2M1[codes.int()].unflatten(-1, (-1, MX_GROUP))              # [..., K/32, 32]
-    return (w * scale.float().unsqueeze(-1)).flatten(-2).to(dtype)   # [..., K]
+    k = codes.shape[-1]
+    need = [*codes.shape[:-1], -(-(offset + k) // MX_GROUP)]
+    if list(scale.shape) != need:
+        raise ValueError(f"mxfp4 weight {list(codes.shape)} needs a {need} scale, got {list(scale.shape)}")
+    w = E2M1[codes.int()]                                            # [..., K]
+    if offset or k % MX_GROUP:                                       # pad to whole groups, trimmed below
+        w = F.pad(w, (offset, -(offset + k) % MX_GROUP))
+    w = (w.unflatten(-1, (-1, MX_GROUP)) * scale.float().unsqueeze(-1)).flatten(-2)   # [..., K/32 * 32]
+    return w[..., offset:offset + k].to(dtype)                       # [..., K]
 
 
 def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

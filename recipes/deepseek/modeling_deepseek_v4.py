@@ -4,6 +4,14 @@ Per layer: mHC -> attention -> mHC -> MoE. Parameter names follow the publisher'
 (`embed`, `layers.N.attn.wq_a`, `layers.N.ffn.experts`, `hc_head_fn`, ...); routed experts are stacked
 into `[E, ...]` tensors for grouped matmuls. T = tokens of all sequences in the batch, D = hidden size,
 n = hc_mult residual streams, H = attention heads, Dh = head_dim, C = compressed entries.
+
+Parallel (common.parallel.LLMParallelLayout, upstream's names): attention TP splits the query heads (and the
+grouped output projection's groups) over `attn_tp`, the one shared KV head, the compressors and the indexer
+replicated, the output projection reduced; routed experts are sharded over `moe_ep` (tokens dispatched to the
+ranks owning their experts and combined back; under attention TP each TP rank routes its share of the tokens);
+the shared expert, router and mHC are replicated; embedding and LM head are vocabulary parallel over `embed_tp` /
+`lmhead_tp`. Each parameter that is a slice carries `.shard`, which the loader reads. One process: every group
+is None and every collective returns its input.
 """
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import ops
+from common import parallel as par
 from common.engine.forward_batch import ForwardBatch
 from common.kv_cache import CacheGroupSpec
 from config_deepseek_v4 import CSA, SLIDING, ModelArgs
@@ -164,11 +173,16 @@ class Indexer(nn.Module):
 class Attention(nn.Module):
     """Shared-KV MQA with attention sinks over a sliding window, plus compressed entries (CSA / HCA)."""
 
-    def __init__(self, args: ModelArgs, layer: int, ropes: dict[str, Rope]):
+    def __init__(self, args: ModelArgs, layer: int, ropes: dict[str, Rope], parallel: par.Parallel):
         super().__init__()
         self.kind = args.layer_types[layer]
-        self.n_heads, self.head_dim, self.window = args.num_attention_heads, args.head_dim, args.sliding_window
-        self.groups, self.eps = args.o_groups, args.rms_norm_eps
+        self.tp_group = parallel.group("attn_tp")
+        tp = par.group_size(self.tp_group)
+        if args.num_attention_heads % tp or args.o_groups % tp:
+            raise ValueError(f"attn_tp={tp} must divide the {args.num_attention_heads} heads and {args.o_groups} "
+                             "output groups")
+        self.n_heads, self.head_dim, self.window = args.num_attention_heads // tp, args.head_dim, args.sliding_window
+        self.groups, self.eps = args.o_groups // tp, args.rms_norm_eps  # this rank's heads and output groups
         self.rope = ropes["main" if self.kind == SLIDING else "compress"]
         self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
@@ -178,6 +192,8 @@ class Attention(nn.Module):
         self.wo_a = GroupedLinear(self.n_heads * self.head_dim // self.groups, args.o_lora_rank, self.groups)
         self.wo_b = nn.Linear(self.groups * args.o_lora_rank, args.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        for param, dim in ((self.wq_b.weight, 0), (self.wo_a.weight, 0), (self.wo_b.weight, 1), (self.attn_sink, 0)):
+            par.shard(param, dim, self.tp_group)  # heads / groups of this rank
         self.ratio = args.compress_rates.get(self.kind, 0)
         self.compressor = None if self.kind == SLIDING else Compressor(args, self.ratio, self.head_dim, self.kind == CSA, self.rope)
         self.indexer = Indexer(args, self.ratio, self.rope) if self.kind == CSA else None
@@ -214,7 +230,7 @@ class Attention(nn.Module):
         o = ops.apply_attention_sinks(o, lse, self.attn_sink)  # [T, H, Dh]
         o = self.rope(o, cos, -sin)  # undo the keys' rotation carried into the values
         o = self.wo_a(o.reshape(T, self.groups, -1)).flatten(1)  # [T, G, H*Dh/G] -> [T, G*R]
-        return self.wo_b(o)
+        return par.all_reduce(self.wo_b(o), self.tp_group)  # [T, D], summed over the heads of every TP rank
 
 
 class GroupedLinear(nn.Module):
@@ -254,32 +270,44 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (top-k by scores + bias, or hash routing by token id) plus one shared expert."""
+    """Routed experts (top-k by scores + bias, or hash routing by token id) plus one shared expert; the routed
+    experts sharded over moe_ep (this rank holds experts [expert_start, + E/P))."""
 
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, parallel: par.Parallel):
         super().__init__()
-        E, I, D = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
+        self.ep_group, self.tp_group = parallel.group("moe_ep"), parallel.group("attn_tp")
+        ep = par.group_size(self.ep_group)
+        if args.n_routed_experts % ep:
+            raise ValueError(f"moe_ep={ep} must divide the {args.n_routed_experts} routed experts")
+        E, I, D = args.n_routed_experts // ep, args.moe_intermediate_size, args.hidden_size
+        self.expert_start = par.group_rank(self.ep_group) * E
         self.hash = args.mlp_layer_types[layer] == "hash_moe"
         self.args = args
         self.gate = Gate(args, self.hash)
         self.experts = nn.Module()
-        self.experts.w13 = nn.Parameter(torch.empty(E, 2 * I, D))  # [E, gate|up, D]
+        self.experts.w13 = nn.Parameter(torch.empty(E, 2 * I, D))  # [E/P, gate|up, D]
         self.experts.w2 = nn.Parameter(torch.empty(E, D, I))
         self.shared_experts = SharedExpert(args) if args.n_shared_experts else None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, D] (the same on every attention-TP rank) -> [T, D]."""
         a = self.args
-        logits = F.linear(x, self.gate.weight)  # [T, E]
+        runs = par.group_size(self.tp_group)  # each attention-TP rank routes its share of the tokens
+        mine = par.group_rank(self.tp_group)
+        x_r, ids_r = x.tensor_split(runs)[mine], input_ids.tensor_split(runs)[mine]  # [T_r, D], [T_r]
+        logits = F.linear(x_r, self.gate.weight)  # [T_r, E]
         weights, idx = ops.moe_gating_topk(
             logits, a.num_experts_per_tok, bias=None if self.hash else self.gate.bias, score_func=a.scoring_func,
             renorm=a.norm_topk_prob, routed_scaling_factor=a.routed_scaling_factor,
-            tid2eid=self.gate.tid2eid if self.hash else None, input_ids=input_ids if self.hash else None,
-        )  # [T, k], [T, k]
-        xs, row_idx, counts = ops.moe_init_routing(x, idx, a.n_routed_experts)  # [T*k, D]
-        h = ops.swiglu(ops.grouped_matmul(xs, self.experts.w13, counts), a.swiglu_limit)  # [T*k, I]
-        y = ops.grouped_matmul(h, self.experts.w2, counts)  # [T*k, D]
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return ops.moe_finalize_routing(y, weights, row_idx, shared)
+            tid2eid=self.gate.tid2eid if self.hash else None, input_ids=ids_r if self.hash else None,
+        )  # [T_r, k], [T_r, k]
+        xs, row_idx, counts = ops.moe_init_routing(x_r, idx, a.n_routed_experts)  # [T_r*k, D] by global expert
+        xe, local_counts, handle = par.dispatch_to_experts(xs, counts, self.ep_group)  # [M, D] by local expert
+        h = ops.swiglu(ops.grouped_matmul(xe, self.experts.w13, local_counts), a.swiglu_limit)  # [M, I]
+        y = par.combine_from_experts(ops.grouped_matmul(h, self.experts.w2, local_counts), handle, self.ep_group)
+        shared = self.shared_experts(x_r) if self.shared_experts is not None else None
+        out = ops.moe_finalize_routing(y, weights, row_idx, shared)  # [T_r, D]
+        return par.all_gather_v(out, [len(run) for run in x.tensor_split(runs)], self.tp_group)  # [T, D]
 
 
 class SharedExpert(nn.Module):
@@ -318,12 +346,12 @@ def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, ropes: dict[str, Rope]):
+    def __init__(self, args: ModelArgs, layer: int, ropes: dict[str, Rope], parallel: par.Parallel):
         super().__init__()
         n = args.hc_mult
         self.args = args
-        self.attn = Attention(args, layer, ropes)
-        self.ffn = MoE(args, layer)
+        self.attn = Attention(args, layer, ropes, parallel)
+        self.ffn = MoE(args, layer, parallel)
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         for site in ("attn", "ffn"):
@@ -345,21 +373,29 @@ class Block(nn.Module):
 
 
 class DeepseekV4(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, parallel: par.Parallel | None = None):
         super().__init__()
         self.args = args
+        self.parallel = parallel = parallel or par.Parallel(par.LLMParallelLayout())
+        self.embed_group, self.head_group = parallel.group("embed_tp"), parallel.group("lmhead_tp")
+        for name, group in (("embed_tp", self.embed_group), ("lmhead_tp", self.head_group)):
+            if args.vocab_size % par.group_size(group):
+                raise ValueError(f"{name}={par.group_size(group)} must divide the vocabulary ({args.vocab_size})")
         n, D = args.hc_mult, args.hidden_size
         ropes = {
             "main": Rope(args.qk_rope_head_dim, args.rope_theta, None),
             "compress": Rope(args.qk_rope_head_dim, args.compress_rope_theta, args.compress_rope_scaling),
         }
-        self.embed = nn.Embedding(args.vocab_size, D)
-        self.layers = nn.ModuleList(Block(args, i, ropes) for i in range(args.num_hidden_layers))
+        self.embed = nn.Embedding(args.vocab_size // par.group_size(self.embed_group), D)  # this rank's rows
+        self.vocab_start = par.group_rank(self.embed_group) * self.embed.num_embeddings
+        par.shard(self.embed.weight, 0, self.embed_group)
+        self.layers = nn.ModuleList(Block(args, i, ropes, parallel) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(D, args.rms_norm_eps)
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * D, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
-        self.head = nn.Linear(D, args.vocab_size, bias=False)
+        self.head = nn.Linear(D, args.vocab_size // par.group_size(self.head_group), bias=False)  # this rank's rows
+        par.shard(self.head.weight, 0, self.head_group)
 
     def cache_specs(self, block_size: int) -> list[CacheGroupSpec]:
         """One token-level window group (KV + compressor state) and one compressed group per compress ratio."""
@@ -392,7 +428,8 @@ class DeepseekV4(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> final hidden states [T, D] (feed the rows you need to `compute_logits`)."""
         a = self.args
-        x = self.embed(batch.input_ids).unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()  # [T, n, D]
+        x = par.vocab_parallel_embedding(batch.input_ids, self.embed, self.vocab_start, self.embed_group)  # [T, D]
+        x = x.unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()  # [T, n, D]
         for layer in self.layers:
             x = layer(x, batch)
         flat = ops.rms_norm(x.flatten(1).float(), None, a.rms_norm_eps)  # [T, n*D]
@@ -401,7 +438,7 @@ class DeepseekV4(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).float()  # [N, V]
+        return par.vocab_parallel_logits(hidden, self.head, self.head_group).float()  # [N, V]
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ import re
 
 import torch
 
+from common import parallel as par
 from common.loader import Checkpoint, load_weights
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import DeepseekV4
@@ -58,13 +59,19 @@ def transformers_to_publisher(name: str) -> str:
     return name
 
 
-def rename(name: str, transformers_layout: bool) -> tuple[str, object]:
-    """Checkpoint tensor name -> (parameter name, shard id)."""
+def rename(name: str, transformers_layout: bool, experts: tuple[int, int, int] | None = None):
+    """Checkpoint tensor name -> (parameter name, shard id[, the part of the tensor to read]); None: another rank's.
+    experts = (this rank's index, the number of ranks, experts per rank) of the expert-parallel group; None: all."""
     if transformers_layout:
         name = transformers_to_publisher(name)
     if m := _EXPERT.match(name):
         stacked, part = ("w2", None) if m[3] == "w2" else ("w13", 0 if m[3] == "w1" else 1)
-        return f"{m[1]}.{stacked}", (int(m[2]), part)
+        local = int(m[2]) - (0 if experts is None else experts[0] * experts[2])
+        if experts is not None and not 0 <= local < experts[2]:
+            return None  # another rank's expert: never read
+        return f"{m[1]}.{stacked}", (local, part)
+    if experts is not None and experts[1] > 1 and name.endswith((".experts.w13", ".experts.w2")):
+        return name, None, (0, experts[0], experts[1])  # transformers' stacked [E, ...]: this rank's experts
     if m := _SHARED.match(name):
         return f"{m[1]}.w13.weight", 0 if m[2] == "w1" else 1
     return name, None
@@ -94,15 +101,19 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> DeepseekV4:
-    """Build DeepseekV4 from a checkpoint folder (either layout, FP8 / MXFP4 dequantized on load)."""
+def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None) -> DeepseekV4:
+    """Build DeepseekV4 from a checkpoint folder (either layout, FP8 / MXFP4 dequantized on load). With a
+    common.parallel.Parallel, this rank's slice of the model, reading only the parts of the tensors it holds."""
     ckpt = Checkpoint(path)
     args = ModelArgs.from_config(ckpt.config)
     with _default_dtype(dtype), torch.device(device):
-        model = DeepseekV4(args)
+        model = DeepseekV4(args, parallel)
     for name, param in model.named_parameters():
         if name.endswith(("experts.w13", "experts.w2", "shared_experts.w13.weight")):
             param.weight_loader = _packed_loader
     layout = any(n.startswith("model.") for n in ckpt.names())
-    load_weights(model, ckpt, lambda n: rename(n, layout), dtype=dtype, ignore=IGNORE)
+    moe = model.layers[0].ffn
+    experts = (par.group_rank(moe.ep_group), par.group_size(moe.ep_group), moe.experts.w13.shape[0])
+    load_weights(model, ckpt, lambda n: rename(n, layout, experts), dtype=dtype, ignore=IGNORE)
+    model.bytes_read = ckpt.bytes_read  # what this rank read of the checkpoint
     return model.eval()

@@ -12,23 +12,7 @@ import torch
 import torch.distributed as dist
 
 from common import ops
-from common.parallel import group_rank, group_size
-
-
-def all_to_all_v(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-    """Rows x[sum(send_splits[:i]) : +send_splits[i]] go to rank i; what arrives is concatenated by source rank."""
-    out = x.new_empty(sum(recv_splits), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
-    return out
-
-
-def all_gather_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-    """Concatenate every rank's x [sizes[rank], ...] along dim 0 (sizes may differ: padded to the largest)."""
-    pad = max(sizes)
-    padded = torch.cat([x, x.new_zeros(pad - x.shape[0], *x.shape[1:])])
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+from common.parallel import all_gather_v, all_to_all_v, group_rank, group_size
 
 
 def ep_moe(moe, x: torch.Tensor, group) -> torch.Tensor:

@@ -195,3 +195,110 @@ def test_corrupt_header(tmp_path, corrupt):
     file.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"model\.safetensors: (corrupt|truncated)"):
         Checkpoint(tmp_path)
+
+
+def sharded_tensors():
+    """Plain, FP8-block (ragged and aligned blocks, both scale layouts) and MXFP4 (2-D and stacked [E, N, K/2])."""
+    gen = torch.Generator().manual_seed(4)
+    fp8, fp8_scale = quantize_fp8_block(torch.randn(200, 300, generator=gen))      # ragged: scale [2, 3]
+    fp8_aligned, fp8_aligned_scale = quantize_fp8_block(torch.randn(256, 512, generator=gen))
+    mx, mx_scale = quantize_mxfp4(torch.randn(8, 256, generator=gen))               # [8, 128], scale [8, 8]
+    mx_narrow, mx_narrow_scale = quantize_mxfp4(torch.randn(4, 64, generator=gen))  # parts of 16 columns at count 4
+    stacked, stacked_scale = quantize_mxfp4(torch.randn(4, 8, 64, generator=gen))
+    return {
+        "embed.weight": torch.randn(32, 16, generator=gen).to(torch.bfloat16),
+        "layers.0.ape": torch.randn(4, 8, 12, generator=gen),
+        "layers.0.tid2eid": torch.randint(0, 8, (32, 4), generator=gen),
+        "layers.0.attn.wq.weight": fp8, "layers.0.attn.wq.scale": fp8_scale.to(torch.bfloat16),
+        "model.layers.0.o_proj.weight": fp8_aligned, "model.layers.0.o_proj.weight_scale_inv": fp8_aligned_scale,
+        "layers.0.ffn.experts.0.w1.weight": mx, "layers.0.ffn.experts.0.w1.scale": mx_scale,
+        "layers.0.ffn.experts.1.w2.weight": mx_narrow, "layers.0.ffn.experts.1.w2.scale": mx_narrow_scale,
+        "layers.0.ffn.w13.weight": stacked, "layers.0.ffn.w13.scale": stacked_scale,
+    }
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16])
+def test_shard_equals_the_sliced_tensor(tmp_path, count, dtype):
+    save_checkpoint(tmp_path, sharded_tensors(), CONFIG, max_shard_bytes=64 * 1024)
+    ckpt = Checkpoint(tmp_path)
+    for name in ckpt.names():
+        full = ckpt.get(name, dtype)  # dequantized with a float dtype, as stored without
+        for dim in range(full.dim()):
+            part = full.shape[dim] // count
+            for index in range(count):
+                got = ckpt.get(name, dtype, shard=(dim, index, count))
+                assert got.dtype == full.dtype, (name, dim, index)
+                assert torch.equal(got, full.narrow(dim, index * part, part)), (name, dim, index, count)
+        assert torch.equal(ckpt.get(name, dtype, shard=(-1, count - 1, count)),
+                           full.narrow(-1, full.shape[-1] - full.shape[-1] // count, full.shape[-1] // count))
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def test_a_rank_reads_its_part_and_nothing_else(tmp_path):
+    tensors = sharded_tensors()
+    save_checkpoint(tmp_path, tensors, CONFIG, max_shard_bytes=64 * 1024)
+    asked = {"embed.weight": 0, "layers.0.attn.wq.weight": 0, "model.layers.0.o_proj.weight": 1,
+             "layers.0.ffn.experts.0.w1.weight": 1, "layers.0.ffn.experts.1.w2.weight": 0}  # name -> dim
+    scales = {"layers.0.attn.wq.weight": "layers.0.attn.wq.scale",
+              "model.layers.0.o_proj.weight": "model.layers.0.o_proj.weight_scale_inv",
+              "layers.0.ffn.experts.0.w1.weight": "layers.0.ffn.experts.0.w1.scale",
+              "layers.0.ffn.experts.1.w2.weight": "layers.0.ffn.experts.1.w2.scale"}
+    for rank in range(2):
+        ckpt = Checkpoint(tmp_path)
+        for name, dim in asked.items():
+            ckpt.get(name, torch.bfloat16, shard=(dim, rank, 2))
+        assert set(ckpt.reads) == set(asked) | set(scales.values())  # names never asked are never read
+        for name in asked:
+            assert ckpt.reads[name] == nbytes(tensors[name]) // 2, name  # the data: exactly its half
+        # scales: the covering blocks. wq [200, 300] on dim 0: rows [0, 100) in block row 0, [100, 200) in rows 0-1
+        assert ckpt.reads["layers.0.attn.wq.scale"] == [1, 2][rank] * 3 * 2  # bf16 [2, 3] scale
+        assert ckpt.reads["model.layers.0.o_proj.weight_scale_inv"] == 2 * 2 * 4  # 256 columns = 2 aligned blocks
+        assert ckpt.reads["layers.0.ffn.experts.0.w1.scale"] == nbytes(tensors["layers.0.ffn.experts.0.w1.scale"]) // 2
+        assert ckpt.reads["layers.0.ffn.experts.1.w2.scale"] == nbytes(tensors["layers.0.ffn.experts.1.w2.scale"]) // 2
+        full = sum(nbytes(tensors[n]) for n in [*asked, *scales.values()])
+        assert full // 2 <= ckpt.bytes_read <= full // 2 + 12
+        assert ckpt.bytes_read == sum(ckpt.reads.values())
+    ckpt = Checkpoint(tmp_path)
+    assert ckpt.bytes_read == 0
+    ckpt.get("layers.0.attn.wq.weight", torch.float32)  # a whole read counts too
+    assert ckpt.reads == {n: nbytes(tensors[n]) for n in ["layers.0.attn.wq.weight", "layers.0.attn.wq.scale"]}
+
+
+def test_fp8_part_not_aligned_to_blocks(tmp_path):
+    tensors = sharded_tensors()
+    save_checkpoint(tmp_path, tensors, CONFIG)
+    ckpt = Checkpoint(tmp_path)
+    w, scale = tensors["layers.0.attn.wq.weight"], tensors["layers.0.attn.wq.scale"]
+    full = dequant_fp8_block(w, scale)
+    part = ckpt.get("layers.0.attn.wq.weight", torch.float32, shard=(1, 1, 4))  # columns [75, 150): blocks 0 and 1
+    assert torch.equal(part, full[:, 75:150])
+    assert ckpt.reads == {"layers.0.attn.wq.weight": 200 * 75, "layers.0.attn.wq.scale": 2 * 2 * 2}
+
+
+def test_shard_errors_name_tensor_dim_and_sizes(tmp_path):
+    tensors = sharded_tensors()
+    tensors["layers.0.bad.weight"], tensors["layers.0.bad.scale"] = tensors["layers.0.attn.wq.weight"], torch.ones(1, 3)
+    save_checkpoint(tmp_path, tensors, CONFIG)
+    ckpt = Checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'layers\.0\.attn\.wq\.weight' \[200, 300\]: "
+                                              r"dim 0 of size 200 does not split into 3 equal parts"):
+        ckpt.get("layers.0.attn.wq.weight", torch.float32, shard=(0, 0, 3))
+    with pytest.raises(CheckpointError, match=r"'embed\.weight' \[32, 16\]: dim 1 of size 16 does not split into 5"):
+        ckpt.get("embed.weight", shard=(1, 0, 5))
+    with pytest.raises(CheckpointError, match=r"'layers\.0\.ffn\.experts\.0\.w1\.weight' \[8, 256\]: dim 1 of size 256 "
+                                              r"does not split into 3"):
+        ckpt.get("layers.0.ffn.experts.0.w1.weight", torch.float32, shard=(1, 0, 3))  # logical K, not packed K/2
+    with pytest.raises(CheckpointError, match=r"'layers\.0\.ffn\.experts\.1\.w2\.weight' \[4, 64\]: shard \(1, 3, 64\) "
+                                              r"splits dim 1 at odd columns \[3, 4\); MXFP4 packs two values per byte"):
+        ckpt.get("layers.0.ffn.experts.1.w2.weight", torch.float32, shard=(1, 3, 64))
+    for shard in [(2, 0, 2), (0, 2, 2), (-3, 0, 1)]:
+        with pytest.raises(CheckpointError, match=rf"'embed\.weight' \[32, 16\]: no shard {re.escape(str(shard))}"):
+            ckpt.get("embed.weight", shard=shard)
+    with pytest.raises(CheckpointError, match=r"'layers\.0\.bad\.weight': fp8 weight \[200, 300\] needs a \[2, 3\] "
+                                              r"block scale, got \[1, 3\]"):
+        ckpt.get("layers.0.bad.weight", torch.float32, shard=(0, 0, 2))  # checked against the whole weight
+    assert "layers.0.bad.weight" not in ckpt.reads and ckpt.bytes_read == 0

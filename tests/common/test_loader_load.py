@@ -155,3 +155,94 @@ def test_expert_param_is_filled_by_its_shards(tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_weights(model, write(tmp_path, t), rename)
     assert "experts" not in str(e.value) and "embed_tokens.weight" in str(e.value)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def test_a_skipped_tensor_is_never_read(tmp_path):
+    t = publisher_tensors()
+    ckpt = Checkpoint(write(tmp_path, t, max_shard_bytes=1024))
+    load_weights(TinyModel(), ckpt, rename)  # rename skips mtp.*
+    assert set(ckpt.reads) == {n for n in t if not n.startswith("mtp.")}
+    assert ckpt.bytes_read == sum(nbytes(v) for n, v in t.items() if not n.startswith("mtp."))
+
+
+def rank_model(rank: int, world: int = 2) -> TinyModel:
+    """One TP x EP rank: vocab-parallel embedding, column-parallel q_proj, row-parallel head, a row slice of a buffer,
+    the norm replicated, and E / world experts of its own."""
+    model = TinyModel()
+    layer = model.layers[0]
+    for module, attr, shape, shard in [(model.embed_tokens, "weight", (V // world, H), (0, rank, world)),
+                                       (layer.q_proj, "weight", (H // world, H), (0, rank, world)),
+                                       (model.lm_head, "weight", (V, H // world), (1, rank, world))]:
+        setattr(module, attr, nn.Parameter(torch.zeros(shape)))
+        getattr(module, attr).shard = shard
+    layer.tid2eid = torch.zeros(V // world, 2, dtype=torch.long)
+    layer.tid2eid.shard = (0, rank, world)
+    layer.experts.w1 = nn.Parameter(torch.zeros(E // world, I, H))
+    layer.experts.w1.weight_loader = layer.experts.load_expert
+    return model
+
+
+def ep_rename(rank: int, world: int = 2):
+    """The rank's experts get local ids; the others are skipped."""
+    def rank_rename(name):
+        if m := re.fullmatch(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.w1\.weight", name):
+            local = int(m[2]) - rank * (E // world)
+            return (f"layers.{m[1]}.experts.w1", local) if 0 <= local < E // world else None
+        return rename(name)
+    return rank_rename
+
+
+def test_each_rank_loads_exactly_its_slices(tmp_path):
+    t = publisher_tensors()
+    path = write(tmp_path, t, max_shard_bytes=1024)
+    whole = Checkpoint(path)
+    for rank in range(2):
+        model, ckpt = rank_model(rank), Checkpoint(path)
+        loaded = load_weights(model, ckpt, ep_rename(rank))
+        experts = [f"layers.0.ffn.experts.{j}.w1.weight" for j in range(rank * E // 2, (rank + 1) * E // 2)]
+        assert sorted(loaded) == sorted(["embed.weight", "head.weight", "layers.0.attn.wq.weight",
+                                         "layers.0.attn_norm.weight", "layers.0.ffn.tid2eid", *experts])
+        layer = model.layers[0]
+        assert torch.equal(model.embed_tokens.weight, whole.get("embed.weight").chunk(2)[rank])
+        assert torch.equal(model.lm_head.weight, whole.get("head.weight").chunk(2, dim=1)[rank])
+        assert torch.equal(layer.q_proj.weight, whole.get("layers.0.attn.wq.weight", torch.float32).chunk(2)[rank])
+        assert torch.equal(layer.tid2eid, t["layers.0.ffn.tid2eid"].chunk(2)[rank])
+        assert torch.equal(layer.input_layernorm.weight, t["layers.0.attn_norm.weight"].float())
+        for local, name in enumerate(experts):
+            assert torch.equal(layer.experts.w1[local], whole.get(name, torch.float32))
+        # names: the loaded tensors and their scales only (no other rank's experts, no mtp); bytes: its halves
+        scales = ["layers.0.attn.wq.scale", *(n.removesuffix("weight") + "scale" for n in experts)]
+        assert set(ckpt.reads) == set(loaded) | set(scales)
+        for name in ["embed.weight", "head.weight", "layers.0.attn.wq.weight", "layers.0.ffn.tid2eid"]:
+            assert ckpt.reads[name] == nbytes(t[name]) // 2, name
+        for name in ["layers.0.attn_norm.weight", "layers.0.attn.wq.scale", *experts, *scales[1:]]:
+            assert ckpt.reads[name] == nbytes(t[name]), name  # replicated, a [1, 1] block scale, owned experts
+        assert ckpt.bytes_read == sum(ckpt.reads.values())
+
+
+def test_shape_check_sees_the_slice(tmp_path):
+    model = TinyModel()
+    model.layers[0].q_proj.weight.shard = (0, 1, 2)  # the parameter was left at full size
+    with pytest.raises(CheckpointError, match=r"tensor 'layers\.0\.attn\.wq\.weight' -> layers\.0\.q_proj\.weight: "
+                                              r"shape \[16, 32\] does not match \[32, 32\]"):
+        load_weights(model, write(tmp_path, publisher_tensors()), rename)
+
+
+def test_a_rename_can_give_the_part_to_read(tmp_path):
+    """transformers' layout stacks the experts into one [E, I, H] tensor: a rank reads its E / 2 of them."""
+    t = {n: v for n, v in publisher_tensors().items() if ".experts." not in n}
+    t["layers.0.ffn.experts.w1"] = torch.randn(E, I, H, generator=torch.Generator().manual_seed(5))
+    path = write(tmp_path, t)
+    for rank in range(2):
+        model, ckpt = TinyModel(), Checkpoint(path)
+        model.layers[0].experts.w1 = nn.Parameter(torch.zeros(E // 2, I, H))
+
+        def stacked_rename(name, rank=rank):
+            return ("layers.0.experts.w1", None, (0, rank, 2)) if name == "layers.0.ffn.experts.w1" else rename(name)
+        load_weights(model, ckpt, stacked_rename)
+        assert torch.equal(model.layers[0].experts.w1, t["layers.0.ffn.experts.w1"].chunk(2)[rank])
+        assert ckpt.reads["layers.0.ffn.experts.w1"] == nbytes(t["layers.0.ffn.experts.w1"]) // 2

@@ -1,0 +1,48 @@
+"""DeepSeek-V4 over several gloo ranks (attention TP, attention DP, MoE EP, vocabulary-parallel embedding and head)
+equals one process: each rank loads its slice of the tiny fp32 checkpoint, runs its DP rank's prompts through a
+whole-prompt prefill, and its logits equal the single-process model's on the same prompts."""
+import pytest
+import torch
+
+from common.parallel import LLMParallelLayout, destroy_parallel, init_parallel
+from dist_helpers import run_ranks
+from modeling_deepseek_v4 import prefill_logits
+from tiny_deepseek_v4 import write_tiny_checkpoint
+from weights_deepseek_v4 import load_model
+
+PROMPTS = [[[5, 9, 30, 41, 7, 300, 12, 12, 99], [17, 18, 19]], [[200, 201, 3, 4, 5, 6, 7, 8, 9, 10, 11, 40, 60]]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("parallel") / "ckpt", seed=4, quantized=False)
+
+
+def rank_logits(path, world, layout, out_dir):
+    parallel = init_parallel(LLMParallelLayout(world_size=world, **layout))
+    try:
+        model = load_model(path, torch.float32, parallel=parallel)
+        held = sum(t.nbytes for t in model.state_dict().values())  # this rank's slice (the checkpoint is fp32)
+        prompts = PROMPTS[parallel.rank_in("attn_dp") % len(PROMPTS)]
+        torch.save((prefill_logits(model, prompts), model.bytes_read, held), out_dir / f"rank{parallel.rank}.pt")
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, layout", [
+    (2, {"attn_tp": 2}),  # TP2 (EP2): the same prompts on both ranks, heads and experts split
+    (2, {"embed_tp": 2, "lmhead_tp": 2}),  # DP2 + EP2, vocabulary split across the DP ranks' different tokens
+    (4, {"attn_tp": 2, "lmhead_tp": 2}),  # DP2 x TP2, EP4
+], ids=["tp2", "dp2-ep2-vocab2", "dp2xtp2-ep4"])
+def test_ranks_equal_one_process(checkpoint, tmp_path, world, layout):
+    run_ranks(rank_logits, world, checkpoint, world, layout, tmp_path)
+    model = load_model(checkpoint, torch.float32)
+    want = [prefill_logits(model, prompts) for prompts in PROMPTS]
+    assert model.bytes_read == sum(t.nbytes for t in model.state_dict().values())  # one process reads it all
+    parallel_layout = LLMParallelLayout(world_size=world, **layout)
+    for rank in range(world):
+        dp_rank = next(i for i, g in enumerate(parallel_layout.group_ranks("attn_tp")) if rank in g)
+        got, bytes_read, held = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(got, want[dp_rank % len(PROMPTS)], atol=1e-4, rtol=1e-4)
+        assert bytes_read == held < model.bytes_read  # exactly its slice, read by slice
