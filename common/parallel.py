@@ -320,7 +320,8 @@ def vocab_parallel_logits(hidden: torch.Tensor, head, group: dist.ProcessGroup |
     sizes = all_gather_sizes(hidden.shape[0], group)
     local = head(all_gather_v(hidden, sizes, group))  # [sum N, V/P]
     mine = all_to_all_v(local, sizes, [hidden.shape[0]] * P, group)  # [P * N, V/P]: slice by slice
-    return mine.view(P, hidden.shape[0], -1).transpose(0, 1).reshape(hidden.shape[0], -1)  # [N, V]
+    N, V_local = hidden.shape[0], local.shape[-1]
+    return mine.view(P, N, V_local).transpose(0, 1).reshape(N, P * V_local)  # [N, V]
 
 
 @dataclass(slots=True)
@@ -358,3 +359,30 @@ def combine_from_experts(y: torch.Tensor, handle: ExpertDispatch, group: dist.Pr
     back = torch.empty_like(y)
     back[handle.order] = y  # arrival order
     return all_to_all_v(back, handle.recv, handle.send, group)
+
+
+def any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """Whether flag is true on some rank of the group (every rank learns the same answer)."""
+    if group_size(group) == 1:
+        return flag
+    x = torch.tensor([int(flag)])
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return bool(x)
+
+
+def broadcast_int(value: int, group: dist.ProcessGroup | None) -> int:
+    """The value of the group's first rank, on every rank of the group."""
+    if group_size(group) == 1:
+        return value
+    x = torch.tensor([value], dtype=torch.long)
+    dist.broadcast(x, src=dist.get_global_rank(group, 0), group=group)
+    return int(x)
+
+
+def all_gather_object(obj, group: dist.ProcessGroup | None) -> list:
+    """Every rank's picklable obj, in group-rank order (control data: requests, outputs)."""
+    if group_size(group) == 1:
+        return [obj]
+    out = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

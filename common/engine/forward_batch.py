@@ -51,6 +51,17 @@ class ForwardBatch:
         )
 
     @classmethod
+    def empty(cls, groups: list[str], block_size: int, device=None) -> "ForwardBatch":
+        """No tokens: what a data-parallel rank with nothing to run forwards, so that the collectives of the
+        other ranks' step (expert dispatch, vocabulary-parallel gathers) meet it."""
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(input_ids=none, positions=none, seq_ids=none,
+                   cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=device),
+                   seq_lens=torch.zeros(0, dtype=torch.int32, device=device), block_size=block_size,
+                   block_tables={g: torch.zeros(0, 1, dtype=torch.int32, device=device) for g in groups},
+                   slot_mapping={g: none for g in groups})
+
+    @classmethod
     def prefill(cls, prompts: list[list[int]], groups: list[str], block_size: int, device=None):
         """Whole prompts in one step over contiguous fresh blocks (block 0 stays null).
         Returns (batch, blocks needed per group) for tests and one-shot forwards."""

@@ -1,7 +1,14 @@
-"""Offline batch inference: `LLM(model, tokenizer, **engine_kwargs).generate(prompts, sampling_params)`."""
+"""Offline batch inference: `LLM(model, tokenizer, **engine_kwargs).generate(prompts, sampling_params)`.
+
+Over several attention-DP ranks every rank is handed the same prompts; each prompt goes to the least-loaded DP
+rank (prompt + output tokens assigned so far, the same decision on every rank, so no rank needs to ask), the
+ranks step in lock-step until all are done, and every rank returns every output.
+"""
 from __future__ import annotations
 
 from tqdm.auto import tqdm
+
+from common import parallel as par
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine, RequestOutput
@@ -25,15 +32,36 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
+        engine = self.engine
+        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]  # checked alike on every rank
+        owners = least_loaded([r.num_prompt_tokens + r.sampling_params.max_tokens for r in requests],
+                              par.group_size(engine.dp_group))
+        mine = {r.request_id: i for i, (r, owner) in enumerate(zip(requests, owners))
+                if owner == par.group_rank(engine.dp_group)}
+        for r in requests:
+            if r.request_id in mine:
+                engine.add(r)
+        done: dict[int, RequestOutput] = {}
+        show = use_tqdm and engine.parallel.rank == 0
+        with tqdm(total=len(mine), desc="generate", unit="req", disable=not show) as bar:
+            while engine.has_unfinished_anywhere():
+                for out in engine.step():
                     if out.finished:
-                        done[out.request_id] = out
+                        done[mine[out.request_id]] = out
                         bar.update(1)
-        return [done[i] for i in ids]
+        for part in par.all_gather_object(done, engine.dp_group):
+            done.update(part)
+        return [done[i] for i in range(len(requests))]
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+
+
+def least_loaded(costs: list[int], num_ranks: int) -> list[int]:
+    """For each job in order, the rank with the least cost assigned so far (ties: the lowest rank)."""
+    load, owners = [0] * num_ranks, []
+    for cost in costs:
+        owner = min(range(num_ranks), key=load.__getitem__)
+        load[owner] += cost
+        owners.append(owner)
+    return owners

@@ -2,6 +2,12 @@
 
 A step whose forward (or sampling) raises fails the requests it scheduled, not the engine: they finish with
 finish_reason "error" and the message, their KV blocks are freed, and the next step serves the others.
+
+Over several ranks (the model's common.parallel.Parallel): each attention-DP rank runs its own engine over its own
+requests; attention-TP peers run the same requests and sample alike (one generator, seeded alike). Every rank
+steps in lock-step (`has_unfinished_anywhere`), and a rank with nothing scheduled forwards an empty batch, so the
+expert-parallel collectives of the others never wait for it. A fault in a step there ends the job (the other ranks'
+collectives would wait for the failed one): the exception propagates.
 """
 from __future__ import annotations
 
@@ -9,18 +15,20 @@ import collections
 import dataclasses
 import itertools
 import logging
+import random
 import time
 from dataclasses import dataclass
 
 import torch
 
+from common import parallel as par
 from common.kv_cache import KVCacheManager
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .model_runner import ModelRunner, blocks_that_fit
 from .request import Request
-from .sampler import Sampler, TokenLogprobs, token_logprobs
+from .sampler import Sampler, TokenLogprobs, make_generator, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 
@@ -70,7 +78,12 @@ class LLMEngine:
         self.runner = ModelRunner(model, config, num_blocks)
         self.kv_cache = KVCacheManager(self.runner.specs, self.runner.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
-        self.sampler = Sampler()
+        self.parallel = getattr(model, "parallel", None) or par.Parallel(par.LLMParallelLayout())
+        self.dp_group, tp_group = self.parallel.group("attn_dp"), self.parallel.group("attn_tp")
+        generator = None
+        if par.group_size(tp_group) > 1:  # TP peers draw the same noise: one seed, from the group's first rank
+            generator = make_generator(par.broadcast_int(random.SystemRandom().getrandbits(62), tp_group))
+        self.sampler = Sampler(generator)
         self.eos_token_ids = set(model.args.eos_token_ids)
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -110,6 +123,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_unfinished_anywhere(self) -> bool:
+        """Whether this or another data-parallel rank has requests: then every rank steps (a collective)."""
+        return par.any_rank(self.has_unfinished(), self.dp_group)
+
     def step(self) -> list[RequestOutput]:
         """One scheduled forward; returns the requests that got a token (or finished) this step."""
         t0 = time.perf_counter()
@@ -117,6 +134,8 @@ class LLMEngine:
         if not plan.scheduled:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the next waiting request cannot be scheduled with an empty batch")
+            if par.group_size(self.dp_group) > 1:
+                self.runner.execute_idle()  # the other DP ranks' step: meet their collectives
             return []
         try:
             sampled, prompt_logprobs = self._forward(plan)
@@ -163,7 +182,10 @@ class LLMEngine:
         return sampled, prompt_logprobs
 
     def _fail_step(self, plan: SchedulerOutput, e: Exception) -> list[RequestOutput]:
-        """Finish every request of a failed step with finish_reason "error"; their blocks go back to the pool."""
+        """Finish every request of a failed step with finish_reason "error"; their blocks go back to the pool.
+        Over several ranks the exception propagates instead: the job ends."""
+        if self.parallel.world_size > 1:
+            raise e
         message = f"{type(e).__name__}: {e}"
         logger.exception("engine step %d failed (%d requests): %s", self.stats.steps, len(plan.scheduled), message)
         self.stats.step_errors += 1

@@ -42,6 +42,12 @@ class ModelRunner:
         model.allocate_caches(self.num_blocks, config.block_size)
 
     @torch.inference_mode()
+    def execute_idle(self) -> None:
+        """A forward of no tokens, for a data-parallel rank with nothing to run (its collectives meet the others')."""
+        hidden = self.model(ForwardBatch.empty([s.name for s in self.specs], self.config.block_size, self.device))
+        self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[dict[str, list[int]]]) -> ModelRunnerOutput:
         """Forward the scheduled tokens; logits for the rows that sample and for the prompt positions scored."""
         new_tokens = [s.request.all_token_ids[s.start : s.end] for s in scheduled]

@@ -5,7 +5,8 @@ then their nucleus (the smallest set of the most likely tokens whose probability
 top-k renormalised distribution, as vLLM does), and sample by the exponential race: argmax(probs / E) with
 E ~ Exponential(1) is a draw from probs, with no torch.multinomial and no host sync. A row with a seed draws its E
 from its own torch.Generator (make_generator, kept by the caller across steps), so its tokens depend on its seed
-alone, not on its batch position or companions; the other rows draw from the global RNG.
+alone, not on its batch position or companions; the other rows draw from the sampler's generator (default: the
+global RNG).
 
 Logprobs are the log_softmax of the raw logits, before temperature / top-k / top-p (vLLM's default "raw_logprobs"):
 they describe the model, not the sampling settings, and a greedy row gets the same numbers as a sampled one.
@@ -38,6 +39,11 @@ class SamplerOutput:
 
 
 class Sampler:
+    """generator: what rows without a seed draw from (None: torch's global RNG). Ranks that must sample alike
+    (attention-TP peers, which hold the same logits) pass generators seeded alike."""
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None] | None = None) -> SamplerOutput:
@@ -65,7 +71,7 @@ class Sampler:
         noise = torch.empty_like(probs)  # [B, V] ~ Exponential(1)
         seeded = [i for i, (g, gen) in enumerate(zip(greedy, generators)) if not g and gen is not None]
         if len(seeded) < B:
-            noise.exponential_()
+            noise.exponential_(generator=self.generator)
         for i in seeded:
             noise[i].exponential_(generator=generators[i])
         sampled = probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)  # [B]

@@ -222,14 +222,14 @@ class Attention(nn.Module):
                 idx = self.indexer(x, q_lora, cos, sin, batch)  # [T, k], valid entries first
             else:
                 idx = visible_entries(batch, cu_entries, self.ratio)  # [T, max visible]
-            idx = idx[:, : max(int((idx >= 0).sum(1).max()), 1)]  # drop all-empty columns
+            idx = idx[:, : max(int((idx >= 0).sum(1).max()) if T else 0, 1)]  # drop all-empty columns
             if entries.shape[0]:
                 kv_entries = entries[:, None]  # [C, 1, Dh], K = V: one object, gathered once
                 oc, lsec = ops.sparse_attention(q, kv_entries, kv_entries, idx, self.scale, return_lse=True)
                 o, lse = ops.merge_attention_states(o, lse, oc, lsec)
         o = ops.apply_attention_sinks(o, lse, self.attn_sink)  # [T, H, Dh]
         o = self.rope(o, cos, -sin)  # undo the keys' rotation carried into the values
-        o = self.wo_a(o.reshape(T, self.groups, -1)).flatten(1)  # [T, G, H*Dh/G] -> [T, G*R]
+        o = self.wo_a(o.reshape(T, self.groups, self.n_heads * self.head_dim // self.groups)).flatten(1)  # [T, G*R]
         return par.all_reduce(self.wo_b(o), self.tp_group)  # [T, D], summed over the heads of every TP rank
 
 

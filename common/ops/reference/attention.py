@@ -158,6 +158,9 @@ def paged_attention(
     k_cache [num_blocks, block_size, Hkv, D], v_cache [num_blocks, block_size, Hkv, Dv] (None: V = K),
     block_tables [B, max_blocks] int32, seq_lens [B] int32 = kv length of each sequence, new tokens included.
     """
+    if q.shape[0] == 0:  # no tokens: an idle data-parallel rank's step
+        out = q.new_empty(0, q.shape[1], (k_cache if v_cache is None else v_cache).shape[-1])
+        return (out, q.new_empty(0, q.shape[1], dtype=torch.float32)) if return_lse else out
     if q.shape[0] == seq_lens.shape[0] and (cu_seqlens_q[1:] - cu_seqlens_q[:-1] == 1).all():
         out, lse = _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
         if sinks is not None:

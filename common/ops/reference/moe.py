@@ -75,7 +75,7 @@ def moe_finalize_routing(
 
     expert_out [T*k, H], weights [T, k], shared [T, H] or None. Returns [T, H] in expert_out.dtype.
     """
-    rows = expert_out[expanded_row_idx.long()].view(*weights.shape, -1).float()  # [T, k, H]
+    rows = expert_out[expanded_row_idx.long()].view(*weights.shape, expert_out.shape[-1]).float()  # [T, k, H]
     out = (rows * weights.float()[..., None]).sum(1)  # [T, H]
     if shared is not None:
         out = out + shared.float()

@@ -46,3 +46,45 @@ def test_ranks_equal_one_process(checkpoint, tmp_path, world, layout):
         got, bytes_read, held = torch.load(tmp_path / f"rank{rank}.pt")
         torch.testing.assert_close(got, want[dp_rank % len(PROMPTS)], atol=1e-4, rtol=1e-4)
         assert bytes_read == held < model.bytes_read  # exactly its slice, read by slice
+
+
+GEN_PROMPTS = [[5, 9, 30, 41, 7, 300, 12, 12, 99, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [17, 18, 19],
+               [200, 201, 3, 4, 5, 6, 7, 8, 9, 10, 11, 40, 60], [44, 45, 46, 47, 48]]
+GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def rank_generate(path, world, layout, engine_kwargs, num_prompts, out_dir):
+    from common.engine import LLM, SamplingParams
+    from transformers import AutoTokenizer
+    parallel = init_parallel(LLMParallelLayout(world_size=world, **layout))
+    try:
+        llm = LLM(load_model(path, torch.float32, parallel=parallel), AutoTokenizer.from_pretrained(path),
+                  block_size=16, **engine_kwargs)
+        params = [SamplingParams(**GREEDY)] * num_prompts + [SamplingParams(temperature=1.0, max_tokens=12,
+                                                                            ignore_eos=True)]
+        outs = llm.generate(GEN_PROMPTS[:num_prompts] + [GEN_PROMPTS[0]], params, use_tqdm=False)
+        assert llm.engine.kv_cache.all_blocks_free()
+        torch.save(([o.token_ids for o in outs], llm.engine.scheduler.num_preemptions), out_dir / f"gen{parallel.rank}.pt")
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, layout, engine_kwargs, num_prompts", [
+    (2, {"attn_tp": 2}, {"max_num_batched_tokens": 8, "num_blocks": 8}, 4),  # chunked prefill, preemption
+    (2, {"lmhead_tp": 2}, {"max_num_batched_tokens": 8}, 4),  # DP2 + EP2, chunked prefill
+    (4, {"attn_tp": 2}, {}, 1),  # DP2 x TP2, EP4: 2 requests, one DP rank idle for most steps
+], ids=["tp2-chunked-preempted", "dp2-ep2-chunked", "dp2xtp2-ep4-idle"])
+def test_greedy_generation_over_ranks_equals_one_process(checkpoint, tmp_path, world, layout, engine_kwargs,
+                                                        num_prompts):
+    from common.engine import LLM, SamplingParams
+    from transformers import AutoTokenizer
+    run_ranks(rank_generate, world, checkpoint, world, layout, engine_kwargs, num_prompts, tmp_path)
+    llm = LLM(load_model(checkpoint, torch.float32), AutoTokenizer.from_pretrained(checkpoint), block_size=16)
+    want = [o.token_ids for o in llm.generate(GEN_PROMPTS[:num_prompts], SamplingParams(**GREEDY), use_tqdm=False)]
+    results = [torch.load(tmp_path / f"gen{rank}.pt") for rank in range(world)]
+    for tokens, _ in results:
+        assert tokens[:num_prompts] == want  # greedy: token for token
+        assert tokens == results[0][0]  # every rank returns every output; the sampled one agrees across TP peers
+    if "num_blocks" in engine_kwargs:
+        assert all(preemptions > 0 for _, preemptions in results)
