@@ -1,7 +1,9 @@
-"""What the recipe's command lines share: one-line argument errors, presets, the default tiny checkpoint."""
+"""What the recipe's command lines share: one-line argument errors, presets, the default tiny checkpoint, and the
+launch of a multi-rank preset: checked here, then the same command again under torchrun, one process a rank."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -10,8 +12,11 @@ import yaml
 from transformers import AutoTokenizer
 
 from common import backend
+from common import parallel as par
 from common.engine import EngineConfig
-from common.loader import CheckpointError
+from common.loader import Checkpoint, CheckpointError
+from config_deepseek_v4 import ModelArgs
+from modeling_deepseek_v4 import check_layout
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
@@ -43,20 +48,60 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
         a.preset = yaml.safe_load(a.config.read_text()) or {}
     except yaml.YAMLError as e:
         p.error(f"--config {a.config}: not valid YAML ({str(e).splitlines()[0]})")
-    world = max([1, *(int(size) for size in (a.preset.get("parallel") or {}).values())])
-    if world > 1:
-        p.error(f"--config {a.config.name} needs {world} ranks; multi-rank runs arrive with the distributed executor")
+    a.layout = parallel_layout(p, a)
     preset_dtype = a.preset.get("dtype", backend.AUTO)  # --dtype > the preset's dtype > auto (follows the device)
     if preset_dtype not in DTYPES:
         p.error(f"--config {a.config.name}: dtype {preset_dtype!r}, expected one of {sorted(DTYPES)}")
     source = f"configs/{a.config.name}" if a.config.resolve().parent == HERE / "configs" else str(a.config)
     a.dtype, line = backend.resolve_dtype(a.dtype, preset_dtype, source)
-    print(line, flush=True)  # stdout, beside the run's other lines; stderr stays for errors
+    try:
+        EngineConfig.from_kwargs(**(a.preset.get("engine") or {}))  # checked before any rank starts
+    except (ValueError, TypeError) as e:
+        p.error(f"--config {a.config.name}: {e}")
+    if a.layout.world_size > 1 and "WORLD_SIZE" not in os.environ:
+        if a.weights is None and not (TINY / "config.json").exists():
+            write_tiny_checkpoint(TINY)  # once, before the ranks start
+        try:
+            check_layout(ModelArgs.from_config(Checkpoint(a.weights or TINY).config), a.layout)
+        except (CheckpointError, ValueError) as e:
+            p.error(f"--config {a.config.name}: {e}")
+        launch_ranks(a.layout.world_size)
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)  # stdout, beside the run's other lines; stderr stays for errors
+    if a.layout.world_size > 1 and int(os.environ["WORLD_SIZE"]) != a.layout.world_size:
+        p.error(f"--config {a.config.name} is for {a.layout.world_size} ranks, but torchrun started "
+                f"{os.environ['WORLD_SIZE']}")
+
+
+PARALLEL_KEYS = ("world_size", "attn_tp", "moe_tp", "embed_tp", "lmhead_tp")
+
+
+def parallel_layout(p: ArgumentParser, a: argparse.Namespace) -> par.LLMParallelLayout:
+    """The preset's `parallel:` (upstream's names: world_size, attn_tp, moe_tp, embed_tp, lmhead_tp)."""
+    spec = a.preset.get("parallel") or {}
+    unknown = sorted(set(spec) - set(PARALLEL_KEYS))
+    if unknown:
+        p.error(f"--config {a.config.name}: unknown parallel sizes {unknown}; expected {list(PARALLEL_KEYS)}")
+    try:
+        return par.LLMParallelLayout(**spec)
+    except (ValueError, TypeError) as e:
+        p.error(f"--config {a.config.name}: {e}")
+
+
+def launch_ranks(world_size: int) -> None:
+    """Run this very command again under torchrun on world_size local processes (hccl on NPU, gloo on CPU); its
+    exit code is theirs. Several machines: start torchrun on each yourself (--nnodes, --node-rank,
+    --rdzv-endpoint): the script sees WORLD_SIZE and does not launch again."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+               sys.argv[0], *sys.argv[1:]]
+    sys.stdout.flush()
+    os.execv(sys.executable, command)
 
 
 def load(a: argparse.Namespace):
-    """(model, tokenizer, EngineConfig) for the parsed arguments; writes the tiny checkpoint on first use.
-    Exits with a one-line message and code 2 for a missing / corrupt checkpoint or a bad preset."""
+    """(model, tokenizer, EngineConfig) for the parsed arguments; writes the tiny checkpoint on first use; joins
+    the ranks of a multi-rank preset (this rank's slice of the model). Exits with a one-line message and code 2
+    for a missing / corrupt checkpoint or a bad preset."""
     path = a.weights or TINY
     if a.weights is None and not (TINY / "config.json").exists():
         write_tiny_checkpoint(TINY)
@@ -64,7 +109,9 @@ def load(a: argparse.Namespace):
         config, rest = EngineConfig.from_kwargs(**(a.preset.get("engine") or {}))
         if rest:
             raise ValueError(f"unknown engine settings in {a.config.name}: {sorted(rest)}")
-        return load_model(path, a.dtype, backend.device()), AutoTokenizer.from_pretrained(path), config
+        parallel = par.init_parallel(a.layout) if a.layout.world_size > 1 else None
+        model = load_model(path, a.dtype, backend.device(), parallel=parallel)
+        return model, AutoTokenizer.from_pretrained(path), config
     except (CheckpointError, ValueError, TypeError, OSError) as e:
         fail(e)
 

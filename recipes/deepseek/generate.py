@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from common import backend
+from common import parallel as par
 from common.engine import LLM, SamplingParams
 from cli_deepseek import HERE, ArgumentParser, add_model_args, check_model_args, fail, load
 
@@ -50,14 +51,21 @@ def main(argv=None) -> int:
     texts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     backend.reset_peak_memory()
     outputs = llm.generate(texts, a.sampling)
+    engine = llm.engine
+    s = engine.stats  # per DP rank (TP peers run the same requests): summed tokens over the slowest rank's time
+    ranks = par.all_gather_object((s.prefill_tokens, s.prefill_time, s.decode_tokens, s.decode_time,
+                                   backend.peak_memory_bytes()), engine.dp_group)
+    par.destroy_parallel()
+    if engine.parallel.rank != 0:
+        return 0
     for prompt, out in zip(prompts, outputs):
         print(f"> {prompt}\n{out.text!r}  [{len(out.token_ids)} tokens, {out.finish_reason}]")
-    s = llm.engine.stats
+    prefill, prefill_time, decode, decode_time, peak = (list(x) for x in zip(*ranks))
     print(f"requests={len(outputs)} prompt_tokens={sum(len(o.prompt_token_ids) for o in outputs)} "
           f"generated_tokens={sum(len(o.token_ids) for o in outputs)} "
-          f"prefill_tok/s={s.prefill_tokens / max(s.prefill_time, 1e-9):.1f} "
-          f"decode_tok/s={s.decode_tokens / max(s.decode_time, 1e-9):.1f} "
-          f"peak_memory={backend.peak_memory_bytes() / 2**20:.0f}MiB device={backend.device_type()}")
+          f"prefill_tok/s={sum(prefill) / max(max(prefill_time), 1e-9):.1f} "
+          f"decode_tok/s={sum(decode) / max(max(decode_time), 1e-9):.1f} "
+          f"peak_memory={max(peak) / 2**20:.0f}MiB ranks={engine.parallel.world_size} device={backend.device_type()}")
     return 0
 
 

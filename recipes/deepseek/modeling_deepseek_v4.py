@@ -178,9 +178,6 @@ class Attention(nn.Module):
         self.kind = args.layer_types[layer]
         self.tp_group = parallel.group("attn_tp")
         tp = par.group_size(self.tp_group)
-        if args.num_attention_heads % tp or args.o_groups % tp:
-            raise ValueError(f"attn_tp={tp} must divide the {args.num_attention_heads} heads and {args.o_groups} "
-                             "output groups")
         self.n_heads, self.head_dim, self.window = args.num_attention_heads // tp, args.head_dim, args.sliding_window
         self.groups, self.eps = args.o_groups // tp, args.rms_norm_eps  # this rank's heads and output groups
         self.rope = ropes["main" if self.kind == SLIDING else "compress"]
@@ -277,8 +274,6 @@ class MoE(nn.Module):
         super().__init__()
         self.ep_group, self.tp_group = parallel.group("moe_ep"), parallel.group("attn_tp")
         ep = par.group_size(self.ep_group)
-        if args.n_routed_experts % ep:
-            raise ValueError(f"moe_ep={ep} must divide the {args.n_routed_experts} routed experts")
         E, I, D = args.n_routed_experts // ep, args.moe_intermediate_size, args.hidden_size
         self.expert_start = par.group_rank(self.ep_group) * E
         self.hash = args.mlp_layer_types[layer] == "hash_moe"
@@ -372,15 +367,25 @@ class Block(nn.Module):
         return hc_post(self.ffn(self.ffn_norm(h), batch.input_ids), x, post, comb)
 
 
+def check_layout(args: ModelArgs, layout: par.LLMParallelLayout) -> None:
+    """ValueError unless the layout splits this model evenly (checked before any rank starts, and by the model)."""
+    for size, name, what in ((layout.attn_tp, "attn_tp", {"attention heads": args.num_attention_heads,
+                                                          "output groups": args.o_groups}),
+                             (layout.moe_ep, "moe_ep", {"routed experts": args.n_routed_experts}),
+                             (layout.embed_tp, "embed_tp", {"vocabulary rows": args.vocab_size}),
+                             (layout.lmhead_tp, "lmhead_tp", {"vocabulary rows": args.vocab_size})):
+        for thing, n in what.items():
+            if n % size:
+                raise ValueError(f"{name}={size} does not divide the model's {n} {thing}")
+
+
 class DeepseekV4(nn.Module):
     def __init__(self, args: ModelArgs, parallel: par.Parallel | None = None):
         super().__init__()
         self.args = args
         self.parallel = parallel = parallel or par.Parallel(par.LLMParallelLayout())
+        check_layout(args, parallel.layout)
         self.embed_group, self.head_group = parallel.group("embed_tp"), parallel.group("lmhead_tp")
-        for name, group in (("embed_tp", self.embed_group), ("lmhead_tp", self.head_group)):
-            if args.vocab_size % par.group_size(group):
-                raise ValueError(f"{name}={par.group_size(group)} must divide the vocabulary ({args.vocab_size})")
         n, D = args.hc_mult, args.hidden_size
         ropes = {
             "main": Rope(args.qk_rope_head_dim, args.rope_theta, None),

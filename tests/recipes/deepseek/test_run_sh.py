@@ -31,7 +31,7 @@ def test_default_run_writes_the_tiny_checkpoint_and_generates():
     (("--dtype", "fp64"), "--dtype"),
     (("--temperature", "-1"), "temperature"),
     (("--top-p", "0"), "top_p"),
-    (("--config", "configs/atlas-a3-flash.yaml"), "needs 16 ranks"),
+    (("--config", "configs/atlas-a3-flash.yaml"), "moe_ep=16 does not divide the model's 8 routed experts"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, needle):
     r = run(*args)
@@ -60,3 +60,15 @@ def test_corrupt_checkpoint_gives_one_line_and_exit_2(tmp_path):
     r = run("--weights", ckpt)
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and shard.name in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-cpu-tp2.yaml", "tiny-cpu-dp2-ep2.yaml"])
+def test_multi_rank_presets_launch_torchrun_and_equal_one_rank(preset):
+    """run.sh starts torchrun itself for a preset of 2 ranks; fp32: the same completions as one process."""
+    one = run("--max-tokens", 6, "--dtype", "fp32")
+    ranks = run("--max-tokens", 6, "--dtype", "fp32", "--config", f"configs/{preset}")
+    assert one.returncode == 0 and ranks.returncode == 0, ranks.stderr
+    completions = lambda out: [line for line in out.splitlines() if not line.startswith(("requests=", "dtype:"))]  # noqa: E731
+    assert completions(ranks.stdout) == completions(one.stdout) and len(completions(one.stdout)) == 8
+    assert "ranks=2" in ranks.stdout.splitlines()[-1] and ranks.stdout.count("dtype: fp32") == 1
