@@ -386,3 +386,21 @@ def all_gather_object(obj, group: dist.ProcessGroup | None) -> list:
     out = [None] * group_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def broadcast_from_rank0(obj):
+    """Global rank 0's picklable obj, on every rank of the world (one process: obj itself)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_to_rank0(obj) -> list | None:
+    """Every rank's picklable obj, in rank order, on global rank 0 (None elsewhere; one process: [obj])."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out

@@ -7,6 +7,13 @@ queue. A caller that stops iterating (client gone) aborts its request, which fre
 A failed step fails only its own requests (the engine finishes them with finish_reason "error"); the thread
 keeps serving. It gives up, and the server turns unhealthy, only when `max_consecutive_step_errors` steps fail
 in a row (the engine cannot continue: a broken device, say) or the engine's own bookkeeping raises.
+
+Over several ranks (torchrun) the server and this thread live on rank 0; every other rank runs `run_worker()`, the
+same loop without a server. Each iteration rank 0 broadcasts the new commands (adds, each with the DP rank that
+takes it: the least loaded, by prompt + output tokens outstanding; aborts), every rank applies its own, all step
+in lock-step, and the DP ranks' outputs are gathered to rank 0, which hands them to the streams. While idle, rank 0
+still broadcasts every `IDLE_TICK_S`, so the other ranks' collectives never time out. Any rank's failure ends the
+job (torchrun then stops the others); rank 0's /health answers 503 from then on.
 """
 from __future__ import annotations
 
@@ -15,7 +22,11 @@ import collections
 import threading
 from collections.abc import AsyncIterator
 
+from common import parallel as par
 from common.engine import LLMEngine, RequestOutput, SamplingParams
+from common.engine.request import Request
+
+IDLE_TICK_S = 0.05  # how long an idle engine waits for a command before looking again
 
 
 class EngineOverloaded(RuntimeError):
@@ -34,6 +45,8 @@ class AsyncLLMEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: BaseException | None = None
+        self.parallel = engine.parallel
+        self._dp_load: dict[str, tuple[int, int]] = {}  # rank 0, several DP ranks: request id -> (DP rank, cost)
 
     def start(self) -> "AsyncLLMEngine":
         self._thread.start()
@@ -100,21 +113,39 @@ class AsyncLLMEngine:
                 self._streams.pop(request_id, None)
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+    def run_worker(self) -> None:
+        """A rank other than 0: the engine loop in this thread, until rank 0 stops; raises what ended it."""
+        self._run()
+        if self.error is not None:
+            raise self.error
+
     def _run(self) -> None:
         try:
-            while not (self._stopping and not self.engine.has_unfinished() and not self._commands):
-                while self._commands:
-                    kind, arg = self._commands.popleft()
+            while True:
+                commands, stopping = list(self._take_commands()), self._stopping
+                if self.parallel.world_size > 1:  # rank 0's commands, to every rank (and a tick while idle)
+                    commands, stopping = par.broadcast_from_rank0((commands, stopping))
+                for kind, arg in commands:
                     if kind == "add":
-                        self._add(arg)
+                        self._add(*arg)
                     else:
                         self.engine.abort(arg)
                         self._streams.pop(arg, None)
-                if not self.engine.has_unfinished():
-                    self._wake.wait(timeout=0.05)
+                        self._dp_load.pop(arg, None)
+                busy = self.engine.has_unfinished_anywhere()
+                if stopping and not busy and not commands:
+                    return
+                if not busy:
+                    self._wake.wait(timeout=IDLE_TICK_S)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                if self.parallel.world_size > 1:  # each DP rank's outputs (once: its first TP rank's), to rank 0
+                    mine = outputs if par.group_rank(self.parallel.group("attn_tp")) == 0 else []
+                    outputs = [o for part in par.gather_to_rank0(mine) or [] for o in part]
+                for out in outputs:
+                    if out.finished:
+                        self._dp_load.pop(out.request_id, None)
                     self._deliver(out.request_id, out)
                 errors = self.engine.stats.consecutive_step_errors
                 if errors >= self.max_consecutive_step_errors:
@@ -125,7 +156,27 @@ class AsyncLLMEngine:
                 self.engine.abort(request_id)
                 self._deliver(request_id, e)
 
-    def _add(self, req) -> None:
+    def _take_commands(self):
+        """Rank 0: the queued commands, adds as (request, the DP rank that takes it)."""
+        dp = par.group_size(self.engine.dp_group)
+        while self._commands:
+            kind, arg = self._commands.popleft()
+            if kind == "add" and self.parallel.world_size > 1:
+                load = [0] * dp
+                for owner, cost in self._dp_load.values():
+                    load[owner] += cost
+                owner = min(range(dp), key=load.__getitem__)
+                self._dp_load[arg.request_id] = owner, arg.num_prompt_tokens + arg.sampling_params.max_tokens
+                arg = (arg.request_id, arg.prompt_token_ids, arg.sampling_params, arg.prompt), owner
+            elif kind == "add":
+                arg = arg, 0
+            yield kind, arg
+
+    def _add(self, req, owner: int) -> None:
+        if owner != par.group_rank(self.engine.dp_group):
+            return  # another DP rank's
+        if not isinstance(req, Request):
+            req = Request(*req)
         try:
             self.engine.add(req)
         except ValueError as e:  # an id in use: this request's fault, not the engine's

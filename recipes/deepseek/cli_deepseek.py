@@ -3,8 +3,10 @@ launch of a multi-rank preset: checked here, then the same command again under t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -89,13 +91,57 @@ def parallel_layout(p: ArgumentParser, a: argparse.Namespace) -> par.LLMParallel
 
 
 def launch_ranks(world_size: int) -> None:
-    """Run this very command again under torchrun on world_size local processes (hccl on NPU, gloo on CPU); its
-    exit code is theirs. Several machines: start torchrun on each yourself (--nnodes, --node-rank,
-    --rdzv-endpoint): the script sees WORLD_SIZE and does not launch again."""
+    """Run this very command again under torchrun on world_size local processes (hccl on NPU, gloo on CPU) and
+    exit with their exit code. SIGTERM / SIGINT go to rank 0 alone, which (serving) drains and tells the other
+    ranks to stop, so the job ends cleanly. Several machines: start torchrun on each yourself (--nnodes,
+    --node-rank, --rdzv-endpoint): the script sees WORLD_SIZE and does not launch again."""
+    import signal
+    import subprocess
+
+    import psutil
+
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
                sys.argv[0], *sys.argv[1:]]
     sys.stdout.flush()
-    os.execv(sys.executable, command)
+    job = subprocess.Popen(command)
+
+    def to_rank0(sig, _frame):
+        for child in psutil.Process(job.pid).children(recursive=True):
+            try:
+                if child.environ().get("RANK") == "0":
+                    child.send_signal(sig)
+            except psutil.Error:
+                pass  # gone already
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, to_rank0)
+    ranks: dict[int, int] = {}  # pid -> rank, of the workers seen running
+    first_gone = None
+    while job.poll() is None:
+        try:
+            for child in psutil.Process(job.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if child.pid not in ranks and "RANK" in child.environ():
+                        ranks[child.pid] = int(child.environ()["RANK"])
+        except psutil.Error:
+            pass
+        gone = [pid for pid in ranks if not running(pid)]
+        if gone and first_gone is None:
+            first_gone = ranks[gone[0]]
+        time.sleep(0.05)  # torchrun looks every 0.1 s, then stops the others
+    if job.returncode and first_gone is not None:
+        print(f"error: rank {first_gone} of {world_size} stopped first; torchrun ended the others "
+              f"(exit code {job.returncode})", file=sys.stderr)
+    sys.exit(job.returncode)
+
+
+def running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def load(a: argparse.Namespace):

@@ -4,7 +4,8 @@
                         [--max-waiting N] [--drain-timeout S] [--max-consecutive-step-errors N]
 
 With no --weights, the tiny random checkpoint (written once, as generate.py does) is served. SIGTERM / Ctrl-C:
-stop accepting, let running requests finish for --drain-timeout seconds, abort the rest, exit 0.
+stop accepting, let running requests finish for --drain-timeout seconds, abort the rest, exit 0. A multi-rank
+preset starts torchrun: rank 0 serves, every rank runs the engine in lock-step (common/serving/async_engine.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
+from common import parallel as par
 from common.engine import LLMEngine
 from common.serving import AsyncLLMEngine
 from common.serving.api_server import build_app
@@ -53,6 +55,12 @@ def main(argv=None) -> int:
     path = a.weights or TINY
     async_engine = AsyncLLMEngine(engine, max_waiting=a.max_waiting,
                                   max_consecutive_step_errors=a.max_consecutive_step_errors)
+    if engine.parallel.rank != 0:  # a multi-rank preset: rank 0 serves, the others follow its engine loop
+        for sig in (signal.SIGINT, signal.SIGTERM):  # and stop when rank 0 stops (it drains first)
+            signal.signal(sig, lambda *_: None)
+        async_engine.run_worker()
+        par.destroy_parallel()
+        return 0
     app = build_app(async_engine, tokenizer,
                     a.served_model_name or Path(path).resolve().name, api_key=a.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
@@ -61,6 +69,7 @@ def main(argv=None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
+    par.destroy_parallel()
     return 0 if server.started else 1
 
 

@@ -64,7 +64,7 @@ def test_serve_answers_then_sigterm_exits_0(checkpoint):
 
 @pytest.mark.parametrize("args, needle", [(("--port", "70000"), "--port"),
                                           (("--weights", "/no/such/dir"), "/no/such/dir"),
-                                          (("--config", "configs/atlas-a3-flash.yaml"), "needs 16 ranks")])
+                                          (("--config", "configs/atlas-a3-flash.yaml"), "moe_ep=16 does not divide")])
 def test_serve_bad_arguments_give_one_line_and_exit_2(args, needle):
     r = subprocess.run(["bash", str(RUN_SH), "--serve", *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr
@@ -107,3 +107,45 @@ def _free_port_run(n: int) -> int:
         except OSError:
             continue
     raise RuntimeError("no free run of ports")
+
+
+@pytest.mark.slow
+def test_serve_over_dp2_ep2_ranks_equals_one_process(checkpoint, model_and_tokenizer):
+    """`run.sh --serve --config configs/tiny-cpu-dp2-ep2.yaml`: torchrun, rank 0 serves, requests spread over both
+    DP ranks (the experts over both); greedy answers equal the single-process engine's; SIGTERM: exit 0, no rank
+    left behind."""
+    import psutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    from common.engine import LLM, SamplingParams
+    port = free_port()
+    proc = subprocess.Popen(["bash", str(RUN_SH), "--serve", "--port", str(port), "--weights", str(checkpoint),
+                             "--dtype", "fp32", "--served-model-name", "tiny", "--config",
+                             "configs/tiny-cpu-dp2-ep2.yaml"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    prompts = [[5, 6, 7], [40, 41, 42, 43, 44, 45], [300, 2, 9], [17, 18], [99, 98, 97, 96]]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, 180)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RANK" in p.environ()]
+        assert len(ranks) == 2
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        def one(prompt):
+            return client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(one, prompts))
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=prompts[1], max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    model, tokenizer = model_and_tokenizer
+    want = LLM(model, tokenizer).generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                          use_tqdm=False)
+    assert texts == [o.text for o in want] and streamed == want[1].text
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -72,3 +72,41 @@ def test_multi_rank_presets_launch_torchrun_and_equal_one_rank(preset):
     completions = lambda out: [line for line in out.splitlines() if not line.startswith(("requests=", "dtype:"))]  # noqa: E731
     assert completions(ranks.stdout) == completions(one.stdout) and len(completions(one.stdout)) == 8
     assert "ranks=2" in ranks.stdout.splitlines()[-1] and ranks.stdout.count("dtype: fp32") == 1
+
+
+def _rank_pids(parent: int) -> dict[int, int]:
+    import psutil
+    ranks = {}
+    for child in psutil.Process(parent).children(recursive=True):
+        try:
+            if "RANK" in child.environ():
+                ranks[int(child.environ()["RANK"])] = child.pid
+        except psutil.Error:
+            pass
+    return ranks
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_job_with_a_message_naming_it():
+    import os
+    import signal
+    import time
+
+    import psutil
+    proc = subprocess.Popen(["bash", str(RUN_SH), "--config", "configs/tiny-cpu-dp2-ep2.yaml", "--max-tokens", "4000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks := _rank_pids(proc.pid)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.2)
+        time.sleep(3)  # mid-run: the ranks are generating
+        descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        os.kill(ranks[1], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=90)  # bounded: the others end, the job exits
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "error: rank 1 of 2 stopped first" in stderr
+    assert not [pid for pid in descendants if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
