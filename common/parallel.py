@@ -291,10 +291,10 @@ def all_to_all_v(x: torch.Tensor, send_splits: list[int], recv_splits: list[int]
     return out
 
 
-def shard(param: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Mark a parameter as this rank's part of a checkpoint tensor split evenly along dim over the group (what
-    common.loader.load_weights reads for it); returns it."""
-    param.shard = (dim, group_rank(group), group_size(group))
+def shard(param: torch.Tensor, dim: int, parallel: "Parallel", group: str) -> torch.Tensor:
+    """Mark a parameter as this rank's part of a checkpoint tensor split evenly along dim over the named group
+    (what common.loader.load_weights reads for it); returns it."""
+    param.shard = (dim, parallel.rank_in(group), parallel.size(group))
     return param
 
 

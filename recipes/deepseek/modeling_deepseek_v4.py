@@ -177,7 +177,7 @@ class Attention(nn.Module):
         super().__init__()
         self.kind = args.layer_types[layer]
         self.tp_group = parallel.group("attn_tp")
-        tp = par.group_size(self.tp_group)
+        tp = parallel.size("attn_tp")
         self.n_heads, self.head_dim, self.window = args.num_attention_heads // tp, args.head_dim, args.sliding_window
         self.groups, self.eps = args.o_groups // tp, args.rms_norm_eps  # this rank's heads and output groups
         self.rope = ropes["main" if self.kind == SLIDING else "compress"]
@@ -190,7 +190,7 @@ class Attention(nn.Module):
         self.wo_b = nn.Linear(self.groups * args.o_lora_rank, args.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         for param, dim in ((self.wq_b.weight, 0), (self.wo_a.weight, 0), (self.wo_b.weight, 1), (self.attn_sink, 0)):
-            par.shard(param, dim, self.tp_group)  # heads / groups of this rank
+            par.shard(param, dim, parallel, "attn_tp")  # heads / groups of this rank
         self.ratio = args.compress_rates.get(self.kind, 0)
         self.compressor = None if self.kind == SLIDING else Compressor(args, self.ratio, self.head_dim, self.kind == CSA, self.rope)
         self.indexer = Indexer(args, self.ratio, self.rope) if self.kind == CSA else None
@@ -268,14 +268,14 @@ class Gate(nn.Module):
 
 class MoE(nn.Module):
     """Routed experts (top-k by scores + bias, or hash routing by token id) plus one shared expert; the routed
-    experts sharded over moe_ep (this rank holds experts [expert_start, + E/P))."""
+    experts sharded over moe_ep (this rank, ep_rank, holds experts [ep_rank * E/P, + E/P))."""
 
     def __init__(self, args: ModelArgs, layer: int, parallel: par.Parallel):
         super().__init__()
         self.ep_group, self.tp_group = parallel.group("moe_ep"), parallel.group("attn_tp")
-        ep = par.group_size(self.ep_group)
-        E, I, D = args.n_routed_experts // ep, args.moe_intermediate_size, args.hidden_size
-        self.expert_start = par.group_rank(self.ep_group) * E
+        self.ep_size, self.ep_rank = parallel.size("moe_ep"), parallel.rank_in("moe_ep")
+        self.tp_size, self.tp_rank = parallel.size("attn_tp"), parallel.rank_in("attn_tp")
+        E, I, D = args.n_routed_experts // self.ep_size, args.moe_intermediate_size, args.hidden_size
         self.hash = args.mlp_layer_types[layer] == "hash_moe"
         self.args = args
         self.gate = Gate(args, self.hash)
@@ -287,9 +287,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D] (the same on every attention-TP rank) -> [T, D]."""
         a = self.args
-        runs = par.group_size(self.tp_group)  # each attention-TP rank routes its share of the tokens
-        mine = par.group_rank(self.tp_group)
-        x_r, ids_r = x.tensor_split(runs)[mine], input_ids.tensor_split(runs)[mine]  # [T_r, D], [T_r]
+        runs = x.tensor_split(self.tp_size)  # each attention-TP rank routes its share of the tokens
+        x_r, ids_r = runs[self.tp_rank], input_ids.tensor_split(self.tp_size)[self.tp_rank]  # [T_r, D], [T_r]
         logits = F.linear(x_r, self.gate.weight)  # [T_r, E]
         weights, idx = ops.moe_gating_topk(
             logits, a.num_experts_per_tok, bias=None if self.hash else self.gate.bias, score_func=a.scoring_func,
@@ -302,7 +301,7 @@ class MoE(nn.Module):
         y = par.combine_from_experts(ops.grouped_matmul(h, self.experts.w2, local_counts), handle, self.ep_group)
         shared = self.shared_experts(x_r) if self.shared_experts is not None else None
         out = ops.moe_finalize_routing(y, weights, row_idx, shared)  # [T_r, D]
-        return par.all_gather_v(out, [len(run) for run in x.tensor_split(runs)], self.tp_group)  # [T, D]
+        return par.all_gather_v(out, [len(run) for run in runs], self.tp_group)  # [T, D]
 
 
 class SharedExpert(nn.Module):
@@ -391,16 +390,16 @@ class DeepseekV4(nn.Module):
             "main": Rope(args.qk_rope_head_dim, args.rope_theta, None),
             "compress": Rope(args.qk_rope_head_dim, args.compress_rope_theta, args.compress_rope_scaling),
         }
-        self.embed = nn.Embedding(args.vocab_size // par.group_size(self.embed_group), D)  # this rank's rows
-        self.vocab_start = par.group_rank(self.embed_group) * self.embed.num_embeddings
-        par.shard(self.embed.weight, 0, self.embed_group)
+        self.embed = nn.Embedding(args.vocab_size // parallel.size("embed_tp"), D)  # this rank's rows
+        self.vocab_start = parallel.rank_in("embed_tp") * self.embed.num_embeddings
+        par.shard(self.embed.weight, 0, parallel, "embed_tp")
         self.layers = nn.ModuleList(Block(args, i, ropes, parallel) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(D, args.rms_norm_eps)
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * D, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
-        self.head = nn.Linear(D, args.vocab_size // par.group_size(self.head_group), bias=False)  # this rank's rows
-        par.shard(self.head.weight, 0, self.head_group)
+        self.head = nn.Linear(D, args.vocab_size // parallel.size("lmhead_tp"), bias=False)  # this rank's rows
+        par.shard(self.head.weight, 0, parallel, "lmhead_tp")
 
     def cache_specs(self, block_size: int) -> list[CacheGroupSpec]:
         """One token-level window group (KV + compressor state) and one compressed group per compress ratio."""

@@ -113,7 +113,7 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel
             param.weight_loader = _packed_loader
     layout = any(n.startswith("model.") for n in ckpt.names())
     moe = model.layers[0].ffn
-    experts = (par.group_rank(moe.ep_group), par.group_size(moe.ep_group), moe.experts.w13.shape[0])
+    experts = (moe.ep_rank, moe.ep_size, moe.experts.w13.shape[0])
     load_weights(model, ckpt, lambda n: rename(n, layout, experts), dtype=dtype, ignore=IGNORE)
-    model.bytes_read = ckpt.bytes_read  # what this rank read of the checkpoint
+    model.checkpoint_reads = dict(ckpt.reads)  # what this rank read of the checkpoint: {stored name: bytes}
     return model.eval()
