@@ -15,6 +15,7 @@ group None; the helpers below then return their input, so modeling code needs no
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -29,6 +30,9 @@ MESH_AXES = ("dp", "cfg", "sp", "tp")
 GROUP_NAMES = MESH_AXES + ("ep",)
 LLM_GROUP_NAMES = ("attn_tp", "attn_dp", "moe_tp", "moe_ep", "embed_tp", "lmhead_tp")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# Bytes this process sent to other ranks, by collective (the payload: what a ring / pairwise exchange moves).
+# Instrumentation only: recipes' parallel benches read and reset it; nothing decides on it.
+TRAFFIC: collections.Counter = collections.Counter()
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -256,7 +260,9 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, scatter_dim: in
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum over the group, in place; returns x."""
-    if group_size(group) > 1:
+    P = group_size(group)
+    if P > 1:
+        TRAFFIC["all_reduce"] += 2 * (P - 1) * x.nbytes // P  # ring: reduce-scatter + all-gather
         dist.all_reduce(x, group=group)
     return x
 
@@ -277,6 +283,7 @@ def all_gather_v(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | N
     pad = max(sizes)
     padded = torch.cat([x, x.new_zeros(pad - x.shape[0], *x.shape[1:])])
     parts = [torch.empty_like(padded) for _ in sizes]
+    TRAFFIC["all_gather"] += (len(sizes) - 1) * padded.nbytes
     dist.all_gather(parts, padded, group=group)
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
@@ -287,6 +294,8 @@ def all_to_all_v(x: torch.Tensor, send_splits: list[int], recv_splits: list[int]
     if group_size(group) == 1:
         return x
     out = x.new_empty(sum(recv_splits), *x.shape[1:])
+    row = x[0].nbytes if x.shape[0] else 0
+    TRAFFIC["all_to_all"] += (sum(send_splits) - send_splits[group_rank(group)]) * row
     dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
 

@@ -1,7 +1,8 @@
 """An HF-layout checkpoint folder, read lazily tensor by tensor.
 
 config.json plus model.safetensors, or shards listed in model.safetensors.index.json. Each file's header is checked
-on first use, then the file is opened once (safe_open, memory-mapped) and tensors are copied out one at a time.
+on first use; each read opens the file (safe_open, memory-mapped) for that tensor alone, so the pages a read touches
+are let go with the tensor: loading holds the model plus one tensor, not the model plus every mapped page read.
 Quantized weights come with a scale companion (`X.weight_scale_inv`, or the publisher's `X.scale`) that names()
 hides and get(name, dtype) applies. get(name, dtype, shard=(dim, index, count)) reads one rank's part of a tensor
 (safetensors slices: the part's data, plus the scale blocks that cover it); `reads` / `bytes_read` count what was read.
@@ -40,7 +41,6 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: no such checkpoint folder")
         self.config = read_json(self.path / "config.json")
         self._headers: dict[Path, dict] = {}
-        self._handles: dict[Path, object] = {}
         self.reads: dict[str, int] = {}  # stored tensor name (scales too) -> bytes of data read so far
         if (self.path / INDEX).exists():
             weight_map = read_json(self.path / INDEX).get("weight_map")
@@ -107,7 +107,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.file(name)}: tensor {name!r}: {e}") from None
 
     def close(self):
-        self._handles.clear()
+        """Nothing stays open between reads (kept for callers that close a checkpoint)."""
 
     def _scale_name(self, name: str) -> str | None:
         if name.endswith(".weight"):
@@ -179,13 +179,12 @@ class Checkpoint:
         self._entry(name)
         file = self._files[name]
         try:
-            if file not in self._handles:
-                self._handles[file] = safe_open(file, framework="pt")
-            if part is None:
-                tensor = self._handles[file].get_tensor(name)
-            else:
-                dim, begin, end = part
-                tensor = self._handles[file].get_slice(name)[(slice(None),) * dim + (slice(begin, end),)]
+            with safe_open(file, framework="pt") as handle:
+                if part is None:
+                    tensor = handle.get_tensor(name)
+                else:
+                    dim, begin, end = part
+                    tensor = handle.get_slice(name)[(slice(None),) * dim + (slice(begin, end),)]
         except SafetensorError as e:
             raise CheckpointError(f"{file}: cannot read tensor {name!r}: {e}") from None
         self.reads[name] = self.reads.get(name, 0) + tensor.numel() * tensor.element_size()

@@ -1,6 +1,7 @@
 """Checkpoint folders: single file and shards, lazy reads, dequantization on get, and every error case."""
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,12 +64,23 @@ def test_reads_are_lazy_one_shard_at_a_time(tmp_path):
     save_checkpoint(tmp_path, tiny_tensors(), CONFIG, max_shard_bytes=2048)
     ckpt = Checkpoint(tmp_path)
     ckpt.names()
-    assert ckpt._handles == {} and ckpt._headers == {}
+    assert ckpt._headers == {} and ckpt.reads == {}
     ckpt.get("layers.0.norm.weight")
-    assert list(ckpt._handles) == [ckpt.file("layers.0.norm.weight")]
-    assert list(ckpt._headers) == [ckpt.file("layers.0.norm.weight")]
-    ckpt.get("layers.0.norm.weight")
-    assert len(ckpt._handles) == 1  # one handle per file, reused
+    assert list(ckpt._headers) == [ckpt.file("layers.0.norm.weight")] and list(ckpt.reads) == ["layers.0.norm.weight"]
+
+
+def test_a_read_keeps_no_mapping_open(tmp_path):
+    """Each read maps its file for that tensor alone: once the tensor is gone, nothing of the file stays mapped
+    (with one handle kept open per file, every page loading had read stayed resident beside the model)."""
+    import gc
+    save_checkpoint(tmp_path, tiny_tensors(), CONFIG, max_shard_bytes=2048)
+    ckpt = Checkpoint(tmp_path)
+    file = ckpt.file("layers.0.norm.weight")
+    tensor = ckpt.get("layers.0.norm.weight")
+    assert tensor.numel() > 0
+    del tensor
+    gc.collect()
+    assert str(file) not in Path("/proc/self/maps").read_text()
 
 
 def quantized_tensors():
@@ -172,7 +184,7 @@ def test_truncated_shard_fails_before_any_read(tmp_path):
     for call in (ckpt.get, ckpt.shape):
         with pytest.raises(CheckpointError, match=rf"{file.name}: truncated.*reading tensor 'embed\.weight'"):
             call("embed.weight")
-    assert ckpt._handles == {}
+    assert ckpt.reads == {}  # nothing was read
     file.write_bytes(file.read_bytes()[:4])  # not even a header length
     with pytest.raises(CheckpointError, match=rf"{file.name}: truncated.*reading tensor 'embed\.weight'"):
         Checkpoint(tmp_path).get("embed.weight")
