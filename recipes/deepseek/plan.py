@@ -1,0 +1,354 @@
+"""Deployment plan for DeepSeek-V4, without weights: what one rank holds and how much KV cache fits beside it.
+
+    python plan.py --config configs/atlas-a3-flash.yaml [--model flash|pro|tiny] [--weights DIR]
+                   [--dtype bf16|fp16|fp32|auto] [--world-size N] [--device a3|950dt|none]
+                   [--device-memory-gib G] [--reserve-fraction F]
+
+The model is built on the meta device (nothing is allocated) for the real config and the preset's parallel layout,
+as rank 0 of that layout (a Parallel without process groups; every rank holds the same amount). Printed, per rank:
+- weight bytes by part (attention, routed experts, shared expert + router, embedding, LM head, mHC / norms) in the
+  preset's dtype, and as upstream's converter stores them for W8A8 (int8 weights + one fp32 scale per output
+  channel on the attention `wq_b` / `wo_b`, the indexer's `wq_b` and every expert, routed and shared) and W4A8
+  (the same, with the routed experts int4: two per byte, a uint64 scale and an fp32 bias per output channel);
+- KV-cache bytes per token of each cache group (`cache_bytes_per_block(block_size) / block_size`, in the model's
+  dtype). Attention DP does not split the cache (each rank holds its own requests' whole cache) and under
+  attention TP the single KV head is replicated, so this is also what every rank holds per token of its requests;
+- the tokens of KV that fit in one die after the weights, leaving `--reserve-fraction` of the die for activations
+  and workspace: as the engine sizes its cache today (every group the same number of blocks,
+  common/engine/model_runner.blocks_that_fit), and, for comparison, if the window group held only the blocks
+  max_num_seqs requests use; then the smallest world size at which the weights fit at all.
+Bad options: one line on stderr, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from common import backend
+from common import parallel as par
+from cli_deepseek import DTYPES, HERE, ArgumentParser, parallel_layout
+from config_deepseek_v4 import ModelArgs
+from modeling_deepseek_v4 import WINDOW, DeepseekV4
+from tiny_deepseek_v4 import TINY_CONFIG
+
+GiB = 2**30
+
+# DeepSeek-V4-Flash: huggingface.co/deepseek-ai/DeepSeek-V4-Flash config.json (2026), the fields ModelArgs reads,
+# as reproduced verbatim in public copies of that file (a GitHub port's audit log quoting the resolve/main URL, and
+# several config fixtures). transformers.DeepseekV4Config() defaults agree on every dimension here but not on the
+# layer kinds: they give HCA to layers 0-2, the published compress_ratios make layers 0-1 sliding-window only.
+# compress_ratios has 44 entries: the 43 layers, then the MTP layer (0), which ModelArgs.from_config drops.
+FLASH_CONFIG = dict(
+    vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43, num_attention_heads=64,
+    num_key_value_heads=1, head_dim=512, q_lora_rank=1024, qk_rope_head_dim=64, num_experts_per_tok=6,
+    n_routed_experts=256, n_shared_experts=1, scoring_func="sqrtsoftplus", norm_topk_prob=True,
+    routed_scaling_factor=1.5, max_position_embeddings=1048576, rope_theta=10000, compress_rope_theta=160000,
+    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536,
+                  "type": "yarn"},
+    compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0], num_hash_layers=3, hc_mult=4, hc_sinkhorn_iters=20,
+    hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8, o_lora_rank=1024, index_n_heads=64,
+    index_head_dim=128, index_topk=512, num_nextn_predict_layers=1, rms_norm_eps=1e-6, bos_token_id=0,
+    eos_token_id=1, tie_word_embeddings=False,
+)
+# DeepSeek-V4-Pro: huggingface.co/deepseek-ai/DeepSeek-V4-Pro config.json, as reproduced in public copies (the
+# mirror huggingface.co/SinterForge/DeepSeek-V4-Pro/blob/main/config.json, and config dicts in GitHub code that
+# embed the whole file); 61 layers + the MTP layer in compress_ratios (62 entries).
+PRO_CONFIG = dict(
+    FLASH_CONFIG, hidden_size=7168, moe_intermediate_size=3072, num_hidden_layers=61, num_attention_heads=128,
+    q_lora_rank=1536, n_routed_experts=384, routed_scaling_factor=2.5, o_groups=16, index_topk=1024,
+    compress_ratios=[128, 128] + [4, 128] * 29 + [4, 0],
+)
+MODELS = {  # --model -> (label, config.json fields, where they come from)
+    "flash": ("DeepSeek-V4-Flash", FLASH_CONFIG, "HF deepseek-ai/DeepSeek-V4-Flash config.json"),
+    "pro": ("DeepSeek-V4-Pro", PRO_CONFIG, "HF deepseek-ai/DeepSeek-V4-Pro config.json"),
+    "tiny": ("tiny DeepSeek-V4", TINY_CONFIG, "tiny_deepseek_v4.TINY_CONFIG"),
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_gib: float
+    source: str
+
+
+# HBM per device (one rank each), in GiB: vendors quote HBM capacities in binary units (GB = 2^30 bytes).
+# - Atlas A3: 2 dies per NPU (Huawei's HCCL guide: "each A3 NPU holds 2 devices, i.e. two dies, each device one
+#   rank", hiascend.com/document/detail/zh/canncommercial/850/commlib/hcclug/hcclug_000066.html), 64 GB per die
+#   (SGLang's Ascend NPU reference, docs.sglang.io/docs/hardware-platforms/ascend-npus/ascend_npu_reference:
+#   "Atlas 800I A3: 8 cards x 2 dies/card x 64 GB/die").
+# - Ascend 950DT: 144 GB (HiZQ 2.0 HBM, about 4 TB/s), from Huawei's Ascend roadmap at Huawei Connect 2025
+#   (Eric Xu's keynote, 2025-09-18), as reported by The Register and others; no datasheet was found.
+DEVICES = {
+    "a3": Device("Atlas A3 die", 64, "SGLang Ascend NPU reference: 64 GB per die"),
+    "950dt": Device("Ascend 950DT", 144, "Huawei Connect 2025 roadmap: 144 GB HiZQ 2.0"),
+}
+
+PARTS = ("attention", "routed experts", "shared expert + router", "embedding", "LM head", "mHC / norms")
+SCHEMES = ("W8A8", "W4A8")  # after the preset's dtype
+# upstream utils/convert_model.py generate_quant_layers: 8-bit per-channel weights on these (w8a8-int / w4a8-int;
+# compressor, indexer weights_proj, wq_a, wkv, wo_a, router, embedding and head stay 16-bit)
+_INT8 = re.compile(r"(\.attn\.(wq_b|wo_b)\.weight|\.attn\.indexer\.wq_b\.weight|\.ffn\.shared_experts\.w(13|2)\.weight"
+                   r"|\.ffn\.experts\.w(13|2))$")
+_ROUTED = re.compile(r"\.ffn\.experts\.w(13|2)$")
+
+
+def part_of(name: str) -> str:
+    if name.startswith("embed."):
+        return "embedding"
+    if name.startswith("head."):
+        return "LM head"
+    if ".ffn.experts." in name:
+        return "routed experts"
+    if ".ffn.shared_experts." in name or ".ffn.gate." in name:
+        return "shared expert + router"
+    if ".attn." in name:
+        return "attention"
+    return "mHC / norms"  # hc_* (per layer and head), attn_norm / ffn_norm, the final norm
+
+
+def quantized_bytes(name: str, t: torch.Tensor, scheme: str) -> int:
+    """Bytes of one tensor as upstream's converter stores it: per output channel (a row of the last dim), int8 +
+    an fp32 scale; W4A8 routed experts: int4 packed two a byte + a uint64 scale + an fp32 bias."""
+    if not _INT8.search(name):
+        return t.nbytes
+    rows = t.numel() // t.shape[-1]
+    if scheme == "W4A8" and _ROUTED.search(name):
+        return t.numel() // 2 + rows * (8 + 4)
+    return t.numel() + rows * 4
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """{part: {"dtype" | scheme: bytes}} over the model's state_dict (parameters and persistent buffers)."""
+    out = {p: dict.fromkeys(("dtype",) + SCHEMES, 0) for p in PARTS}
+    for name, t in model.state_dict().items():
+        row = out[part_of(name)]
+        row["dtype"] += t.nbytes
+        for s in SCHEMES:
+            row[s] += quantized_bytes(name, t, s)
+    return out
+
+
+def kv_bytes_per_token(model: DeepseekV4, block_size: int) -> dict[str, float]:
+    """Per cache group, bytes one token takes over all layers (on meta too: the one-block cache is not allocated)."""
+    return {g: n / block_size for g, n in model.cache_bytes_per_block(block_size).items()}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_rank0(args: ModelArgs, layout: par.LLMParallelLayout, dtype: torch.dtype, device="meta") -> DeepseekV4:
+    """Rank 0's slice of the model for `layout` (no process groups: sizes from the layout, rank 0 in each)."""
+    with _default_dtype(dtype), torch.device(device):
+        return DeepseekV4(args, par.Parallel(layout))
+
+
+def scaled_layout(layout: par.LLMParallelLayout, world: int) -> par.LLMParallelLayout:
+    """The layout on `world` ranks: experts over all of them, each TP size capped to what `world` allows."""
+    return par.LLMParallelLayout(world_size=world, **{k: math.gcd(getattr(layout, k), world)
+                                                      for k in ("attn_tp", "moe_tp", "embed_tp", "lmhead_tp")})
+
+
+def min_world_size(args: ModelArgs, layout: par.LLMParallelLayout, dtype, budget: int, upto: int = 256) -> dict:
+    """{"dtype" | scheme: the smallest power-of-two world size whose per-rank weights fit in `budget`, or None}."""
+    found = {}
+    world = 1
+    while world <= upto and len(found) < 1 + len(SCHEMES):
+        try:
+            model = build_rank0(args, scaled_layout(layout, world), dtype)
+        except ValueError:  # the model does not split that way (e.g. more ranks than experts)
+            break
+        totals = {c: sum(row[c] for row in weight_bytes(model).values()) for c in ("dtype",) + SCHEMES}
+        for c, n in totals.items():
+            if c not in found and n <= budget:
+                found[c] = world
+        world *= 2
+    return {c: found.get(c) for c in ("dtype",) + SCHEMES}
+
+
+@dataclass
+class Plan:
+    label: str
+    source: str
+    layout: par.LLMParallelLayout
+    dtype: torch.dtype
+    block_size: int
+    weights: dict[str, dict[str, int]]
+    kv_per_token: dict[str, float]
+    kv_per_block: dict[str, int]
+    window_blocks: int  # window-group blocks max_num_seqs requests (and one step's new tokens) use at most
+
+    def total(self, column: str) -> int:
+        return sum(row[column] for row in self.weights.values())
+
+    def tokens_engine(self, budget: int) -> int:
+        """Tokens the engine's cache holds in `budget` bytes: every group gets budget // (sum per block) blocks."""
+        return max(budget, 0) // sum(self.kv_per_block.values()) * self.block_size
+
+    def tokens_window_bounded(self, budget: int) -> int:
+        """Tokens if the window group held only `window_blocks` and the compressed groups took the rest."""
+        rest = budget - self.window_blocks * self.kv_per_block[WINDOW]
+        compressed = sum(n for g, n in self.kv_per_block.items() if g != WINDOW)
+        return max(rest, 0) // compressed * self.block_size if compressed else 0
+
+
+def plan(cfg: dict, label: str, source: str, layout: par.LLMParallelLayout, dtype: torch.dtype, engine: dict,
+         device="meta") -> tuple[Plan, ModelArgs]:
+    args = ModelArgs.from_config(cfg)
+    model = build_rank0(args, layout, dtype, device)
+    bs = int(engine.get("block_size", 16))
+    per_block = model.cache_bytes_per_block(bs)
+    keep = next(s.sliding_window for s in model.cache_specs(bs) if s.name == WINDOW)
+    seqs, step = int(engine.get("max_num_seqs", 32)), int(engine.get("max_num_batched_tokens", 1024))
+    window_blocks = seqs * (-(-keep // bs) + 1) + -(-step // bs)
+    return Plan(label, source, layout, dtype, bs, weight_bytes(model), {g: n / bs for g, n in per_block.items()},
+                per_block, window_blocks), args
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB" if abs(n) >= 2**24 else f"{n / 2**20:8.2f} MiB"
+
+
+def describe_layout(layout: par.LLMParallelLayout) -> str:
+    return (f"world {layout.world_size}: attention TP {layout.attn_tp} x DP {layout.attn_dp}, MoE EP {layout.moe_ep}, "
+            f"embedding TP {layout.embed_tp}, LM head TP {layout.lmhead_tp}")
+
+
+def report(p: Plan, preset_name: str, engine: dict, device: Device | None, reserve: float,
+           min_worlds: dict | None) -> str:
+    dtype_name = {v: k for k, v in DTYPES.items() if v is not None}[p.dtype]
+    cols = ("dtype",) + SCHEMES
+    heads = (dtype_name,) + SCHEMES
+    lines = [f"{p.label} ({p.source}), preset {preset_name}",
+             f"layout {describe_layout(p.layout)}; per rank (rank 0; every rank holds the same)",
+             "", f"{'weights per rank':<24}" + "".join(f"{h:>14}" for h in heads)]
+    for part in PARTS:
+        lines.append(f"  {part:<22}" + "".join(f"{gib(p.weights[part][c]):>14}" for c in cols))
+    lines.append(f"  {'total':<22}" + "".join(f"{gib(p.total(c)):>14}" for c in cols))
+    lines += ["", f"KV cache per token, per rank (block_size {p.block_size}, {dtype_name}; attention DP: each rank its "
+                  "own requests' whole cache; attention TP: the one KV head replicated)"]
+    for g, n in p.kv_per_token.items():
+        what = "sliding window + compressor state (freed as it slides)" if g == WINDOW else "compressed entries"
+        lines.append(f"  {g:<22}{n:>14,.1f} B   {what}")
+    lines.append(f"  {'total':<22}{sum(p.kv_per_token.values()):>14,.1f} B")
+    budget_preset = int(engine.get("kv_cache_memory_bytes", 256 * 2**20))
+    lines += ["", f"preset kv_cache_memory_bytes {gib(budget_preset).strip()}: {p.tokens_engine(budget_preset):,} tokens "
+                  f"(engine sizing), {p.tokens_window_bounded(budget_preset):,} with a window group of "
+                  f"{p.window_blocks:,} blocks (max_num_seqs requests + one step)"]
+    if device is None:
+        lines.append("device memory: none given (--device / --device-memory-gib): no per-die fit")
+        return "\n".join(lines)
+    usable = int(device.memory_gib * GiB * (1 - reserve))
+    lines += ["", f"one {device.name}: {device.memory_gib:g} GiB ({device.source}), {reserve:.0%} reserved for "
+                  f"activations / workspace: {gib(usable).strip()} for weights + KV",
+              f"{'':<38}" + "".join(f"{h:>14}" for h in heads)]
+    left = {c: usable - p.total(c) for c in cols}
+    lines.append(f"  {'left for KV after weights':<36}" + "".join(f"{gib(left[c]):>14}" for c in cols))
+    for title, fn in (("tokens, engine sizing", p.tokens_engine),
+                      ("tokens, window group bounded", p.tokens_window_bounded)):
+        lines.append(f"  {title:<36}" + "".join(
+            f"{fn(left[c]):>14,}" if left[c] > 0 else f"{'no fit':>14}" for c in cols))
+    if min_worlds:
+        lines.append(f"  {'smallest world size that fits':<36}" + "".join(
+            f"{(str(min_worlds[c]) if min_worlds[c] else '-'):>14}" for c in cols))
+    return "\n".join(lines)
+
+
+def default_model(config: Path) -> str | None:
+    name = config.name
+    return "flash" if "flash" in name else "pro" if "pro" in name else "tiny" if name.startswith("tiny") else None
+
+
+def default_device(config: Path) -> str | None:
+    name = config.name
+    return "a3" if "atlas-a3" in name else "950dt" if "ascend-950" in name else None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = ArgumentParser(prog="plan.py", description=__doc__.splitlines()[0])
+    p.add_argument("--config", type=Path, required=True, help="deployment preset (configs/*.yaml)")
+    p.add_argument("--model", choices=sorted(MODELS), help="default: from the preset's name (the presets are Flash)")
+    p.add_argument("--weights", type=Path, help="read the model's config.json from this checkpoint folder instead")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="overrides the preset's dtype")
+    p.add_argument("--world-size", type=int, help="the preset's layout on this many ranks (experts over all)")
+    p.add_argument("--device", choices=sorted(DEVICES) + ["none"], help="default: from the preset's name")
+    p.add_argument("--device-memory-gib", type=float, help="memory of one device (overrides --device's)")
+    p.add_argument("--reserve-fraction", type=float, default=0.1, help="of the device, for activations / workspace")
+    a = p.parse_args(argv)
+    if not a.config.is_file():
+        p.error(f"--config {a.config}: no such file")
+    try:
+        a.preset = yaml.safe_load(a.config.read_text()) or {}
+    except yaml.YAMLError as e:
+        p.error(f"--config {a.config}: not valid YAML ({str(e).splitlines()[0]})")
+    if not isinstance(a.preset, dict):
+        p.error(f"--config {a.config}: expected a mapping")
+    a.layout = parallel_layout(p, a)
+    if a.world_size is not None:
+        if a.world_size < 1:
+            p.error(f"--world-size {a.world_size}: expected an int >= 1")
+        a.layout = scaled_layout(a.layout, a.world_size)
+    if not 0 <= a.reserve_fraction < 1:
+        p.error(f"--reserve-fraction {a.reserve_fraction}: expected a number in [0, 1)")
+    if a.device_memory_gib is not None and not a.device_memory_gib > 0:
+        p.error(f"--device-memory-gib {a.device_memory_gib}: expected a positive number")
+    if a.weights is not None:
+        if a.model is not None:
+            p.error("--weights and --model: give one")
+        try:
+            a.model_config = json.loads((a.weights / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"--weights {a.weights}: no readable config.json ({e})")
+        a.label, a.source = a.weights.name, f"{a.weights}/config.json"
+    else:
+        a.model = a.model or default_model(a.config)
+        if a.model is None:
+            p.error(f"--config {a.config.name}: no default model for this preset; give --model or --weights")
+        a.label, a.model_config, a.source = MODELS[a.model]
+    name = a.dtype if a.dtype is not None else a.preset.get("dtype", backend.AUTO)
+    if name not in DTYPES:
+        p.error(f"--config {a.config.name}: dtype {name!r}, expected one of {sorted(DTYPES)}")
+    a.dtype_t = DTYPES[name] or backend.default_dtype()  # auto: this machine's choice (the CPU presets)
+    device = a.device or default_device(a.config)
+    if a.device_memory_gib is not None:
+        base = DEVICES.get(device) if device not in (None, "none") else None
+        a.device_info = Device(base.name if base else "device", a.device_memory_gib, "--device-memory-gib")
+    else:
+        a.device_info = DEVICES[device] if device not in (None, "none") else None
+    return a
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    engine = a.preset.get("engine") or {}
+    try:
+        p, args = plan(a.model_config, a.label, a.source, a.layout, a.dtype_t, engine)
+        min_worlds = None
+        if a.device_info is not None:
+            budget = int(a.device_info.memory_gib * GiB * (1 - a.reserve_fraction))
+            min_worlds = min_world_size(args, a.layout, a.dtype_t, budget)
+    except (ValueError, TypeError, KeyError) as e:  # a config / layout the model cannot take
+        print(f"plan.py: error: {'; '.join(str(e).splitlines())}", file=sys.stderr)
+        sys.exit(2)
+    preset = f"configs/{a.config.name}" if a.config.resolve().parent == HERE / "configs" else str(a.config)
+    print(report(p, preset, engine, a.device_info, a.reserve_fraction, min_worlds))
+
+
+if __name__ == "__main__":
+    main()
