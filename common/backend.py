@@ -164,6 +164,19 @@ def cpu_bf16_kind() -> str:
     return "native" if instructions and not capped and aten_avx512 else "emulated"
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name as the OS reports it (for benches' headers)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def cpu_description() -> str:
     """The CPU kind in a few words, naming a simulation by environment variable when one is set."""
     kind = cpu_bf16_kind()

@@ -251,18 +251,6 @@ def child(args) -> None:
 
 
 # -- the table ------------------------------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def cpu_flags() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -277,7 +265,9 @@ def cpu_flags() -> str:
 
 def table(results: dict, threads: int) -> str:
     clock = "thread CPU time" if threads == 1 else "wall time"
-    lines = [f"CPU: {cpu_model()}; flags: {cpu_flags()}; torch {__import__('torch').__version__}; {threads} "
+    from common import backend
+
+    lines = [f"CPU: {backend.cpu_model_name()}; flags: {cpu_flags()}; torch {__import__('torch').__version__}; {threads} "
              f"thread(s), {clock}, best of the reps per GEMM; ms per step / forward (GFLOP/s)",
              "", "| workload | CPU kind | " + " | ".join(MODES) + " | fastest |",
              "|---|---|" + "---|" * (len(MODES) + 1)]

@@ -16,7 +16,10 @@ as rank 0 of that layout (a Parallel without process groups; every rank holds th
 - the tokens of KV that fit in one die after the weights, leaving `--reserve-fraction` of the die for activations
   and workspace: as the engine sizes its cache today (every group the same number of blocks,
   common/engine/model_runner.blocks_that_fit), and, for comparison, if the window group held only the blocks
-  max_num_seqs requests use; then the smallest world size at which the weights fit at all.
+  max_num_seqs requests use; whether the preset's kv_cache_memory_bytes fits beside the weights; the smallest
+  power-of-two world size (the preset's layout, experts over all ranks) at which the weights fit at all.
+Not counted: the MTP layer (`mtp.0`, a whole decoder layer; the model here does not build it), upstream's int8
+indexer cache (A8C8 on A3) and FP8 KV cache (C8 on 950), and o_proj TP (upstream splits wo_a for Pro on A3).
 Bad options: one line on stderr, exit code 2.
 """
 from __future__ import annotations
@@ -81,13 +84,17 @@ class Device:
     source: str
 
 
-# HBM per device (one rank each), in GiB: vendors quote HBM capacities in binary units (GB = 2^30 bytes).
-# - Atlas A3: 2 dies per NPU (Huawei's HCCL guide: "each A3 NPU holds 2 devices, i.e. two dies, each device one
-#   rank", hiascend.com/document/detail/zh/canncommercial/850/commlib/hcclug/hcclug_000066.html), 64 GB per die
+# HBM per device (one rank each), read as GiB (2^30 bytes); if the vendors' "GB" means 10^9 bytes the usable
+# memory is 6.9% less (pass --device-memory-gib 59.6 / 134.1).
+# - Atlas A3: 2 dies per NPU, each die one device and one rank (Huawei's HCCL guide, rank table for Atlas A3:
+#   hiascend.com/document/detail/zh/canncommercial/850/commlib/hcclug/hcclug_000066.html), 64 GB HBM per die
 #   (SGLang's Ascend NPU reference, docs.sglang.io/docs/hardware-platforms/ascend-npus/ascend_npu_reference:
-#   "Atlas 800I A3: 8 cards x 2 dies/card x 64 GB/die").
-# - Ascend 950DT: 144 GB (HiZQ 2.0 HBM, about 4 TB/s), from Huawei's Ascend roadmap at Huawei Connect 2025
-#   (Eric Xu's keynote, 2025-09-18), as reported by The Register and others; no datasheet was found.
+#   "Atlas 800I A3 (A3) | Ascend 910C | 16 | 2 | 8(cards) x 2(dies/card) x 64(GB/die)").
+# - Ascend 950DT: 144 GB (HiZQ 2.0 HBM, 4 TB/s), from Huawei's Ascend roadmap at Huawei Connect 2025 (Eric Xu's
+#   keynote, 2025-09-18) as the press reported it: The Register (mirrored at news.najib.digital/huawei-s-ai-
+#   accelerator-roadmap-claims-it-to-makes-the-mightiest-clusters-94625.html: "the 950DT ... 144GB of 4 TB/s
+#   memory"), el.whatpsu.com/articles/2274-Huawei-Ascend-950-AI-Accelerator-Revealed-in-New-Image. No Huawei
+#   datasheet with the number was found.
 DEVICES = {
     "a3": Device("Atlas A3 die", 64, "SGLang Ascend NPU reference: 64 GB per die"),
     "950dt": Device("Ascend 950DT", 144, "Huawei Connect 2025 roadmap: 144 GB HiZQ 2.0"),
@@ -95,8 +102,10 @@ DEVICES = {
 
 PARTS = ("attention", "routed experts", "shared expert + router", "embedding", "LM head", "mHC / norms")
 SCHEMES = ("W8A8", "W4A8")  # after the preset's dtype
-# upstream utils/convert_model.py generate_quant_layers: 8-bit per-channel weights on these (w8a8-int / w4a8-int;
-# compressor, indexer weights_proj, wq_a, wkv, wo_a, router, embedding and head stay 16-bit)
+# What upstream's converter quantizes (hicann/cann-recipes-infer models/deepseek_v4/utils/convert_model.py,
+# generate_quant_layers and int_weight_quant, --quant_type w8a8-int / w4a8-int): 8-bit per-channel weights on the
+# attention wq_b / wo_b, the CSA indexer's wq_b and the shared expert, routed experts 8-bit (W8A8) or 4-bit (W4A8);
+# wq_a, wkv, wo_a, the compressors, the indexer's weights_proj, the router, embedding and head stay 16-bit.
 _INT8 = re.compile(r"(\.attn\.(wq_b|wo_b)\.weight|\.attn\.indexer\.wq_b\.weight|\.ffn\.shared_experts\.w(13|2)\.weight"
                    r"|\.ffn\.experts\.w(13|2))$")
 _ROUTED = re.compile(r"\.ffn\.experts\.w(13|2)$")
@@ -136,11 +145,6 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, dict[str, int]]:
         for s in SCHEMES:
             row[s] += quantized_bytes(name, t, s)
     return out
-
-
-def kv_bytes_per_token(model: DeepseekV4, block_size: int) -> dict[str, float]:
-    """Per cache group, bytes one token takes over all layers (on meta too: the one-block cache is not allocated)."""
-    return {g: n / block_size for g, n in model.cache_bytes_per_block(block_size).items()}
 
 
 @contextlib.contextmanager
@@ -210,10 +214,12 @@ class Plan:
 
 def plan(cfg: dict, label: str, source: str, layout: par.LLMParallelLayout, dtype: torch.dtype, engine: dict,
          device="meta") -> tuple[Plan, ModelArgs]:
+    """Rank 0 of `layout` for the config.json fields `cfg`: its weights, and its caches per block of the preset's
+    block_size (cache_bytes_per_block measures a one-block cache; on meta nothing is allocated)."""
     args = ModelArgs.from_config(cfg)
     model = build_rank0(args, layout, dtype, device)
     bs = int(engine.get("block_size", 16))
-    per_block = model.cache_bytes_per_block(bs)
+    per_block = model.cache_bytes_per_block(bs)  # {group: bytes of one block over all layers}
     keep = next(s.sliding_window for s in model.cache_specs(bs) if s.name == WINDOW)
     seqs, step = int(engine.get("max_num_seqs", 32)), int(engine.get("max_num_batched_tokens", 1024))
     window_blocks = seqs * (-(-keep // bs) + 1) + -(-step // bs)
@@ -222,7 +228,7 @@ def plan(cfg: dict, label: str, source: str, layout: par.LLMParallelLayout, dtyp
 
 
 def gib(n: float) -> str:
-    return f"{n / GiB:8.2f} GiB" if abs(n) >= 2**24 else f"{n / 2**20:8.2f} MiB"
+    return f"{n / GiB:8.2f} GiB" if abs(n) >= 2**24 else f"{n:,} B"  # small (the tiny model): exact bytes
 
 
 def describe_layout(layout: par.LLMParallelLayout) -> str:
@@ -236,27 +242,30 @@ def report(p: Plan, preset_name: str, engine: dict, device: Device | None, reser
     cols = ("dtype",) + SCHEMES
     heads = (dtype_name,) + SCHEMES
     lines = [f"{p.label} ({p.source}), preset {preset_name}",
-             f"layout {describe_layout(p.layout)}; per rank (rank 0; every rank holds the same)",
+             f"layout {describe_layout(p.layout)}",
+             "per rank: rank 0's slice (every rank holds the same)",
              "", f"{'weights per rank':<24}" + "".join(f"{h:>14}" for h in heads)]
     for part in PARTS:
         lines.append(f"  {part:<22}" + "".join(f"{gib(p.weights[part][c]):>14}" for c in cols))
     lines.append(f"  {'total':<22}" + "".join(f"{gib(p.total(c)):>14}" for c in cols))
-    lines += ["", f"KV cache per token, per rank (block_size {p.block_size}, {dtype_name}; attention DP: each rank its "
-                  "own requests' whole cache; attention TP: the one KV head replicated)"]
+    lines += ["", f"KV cache per token, per rank (block_size {p.block_size}, {dtype_name}): not split by attention DP "
+                  "(each rank", "  holds its own requests' whole cache), the one KV head replicated under attention TP"]
     for g, n in p.kv_per_token.items():
         what = "sliding window + compressor state (freed as it slides)" if g == WINDOW else "compressed entries"
         lines.append(f"  {g:<22}{n:>14,.1f} B   {what}")
     lines.append(f"  {'total':<22}{sum(p.kv_per_token.values()):>14,.1f} B")
     budget_preset = int(engine.get("kv_cache_memory_bytes", 256 * 2**20))
-    lines += ["", f"preset kv_cache_memory_bytes {gib(budget_preset).strip()}: {p.tokens_engine(budget_preset):,} tokens "
-                  f"(engine sizing), {p.tokens_window_bounded(budget_preset):,} with a window group of "
-                  f"{p.window_blocks:,} blocks (max_num_seqs requests + one step)"]
+    lines += ["", f"preset kv_cache_memory_bytes {gib(budget_preset).strip()}: "
+                  f"{p.tokens_engine(budget_preset):,} tokens as the engine sizes it (every group the same number of "
+                  "blocks),",
+              f"  {p.tokens_window_bounded(budget_preset):,} with the window group bounded to {p.window_blocks:,} "
+              "blocks (max_num_seqs requests + one step)"]
     if device is None:
         lines.append("device memory: none given (--device / --device-memory-gib): no per-die fit")
         return "\n".join(lines)
     usable = int(device.memory_gib * GiB * (1 - reserve))
-    lines += ["", f"one {device.name}: {device.memory_gib:g} GiB ({device.source}), {reserve:.0%} reserved for "
-                  f"activations / workspace: {gib(usable).strip()} for weights + KV",
+    lines += ["", f"one {device.name}: {device.memory_gib:g} GiB ({device.source});",
+              f"  {reserve:.0%} reserved for activations / workspace: {gib(usable).strip()} for weights + KV",
               f"{'':<38}" + "".join(f"{h:>14}" for h in heads)]
     left = {c: usable - p.total(c) for c in cols}
     lines.append(f"  {'left for KV after weights':<36}" + "".join(f"{gib(left[c]):>14}" for c in cols))
@@ -264,8 +273,13 @@ def report(p: Plan, preset_name: str, engine: dict, device: Device | None, reser
                       ("tokens, window group bounded", p.tokens_window_bounded)):
         lines.append(f"  {title:<36}" + "".join(
             f"{fn(left[c]):>14,}" if left[c] > 0 else f"{'no fit':>14}" for c in cols))
+    def fits(c):  # the preset's cache beside the weights, in the usable part of the die
+        over = budget_preset - left[c]
+        return "yes" if over <= 0 else f"no, +{over / GiB:.1f} GiB" if over >= 2**24 else f"no, +{over:,} B"
+
+    lines.append(f"  {'preset kv_cache_memory_bytes fits':<36}" + "".join(f"{fits(c):>14}" for c in cols))
     if min_worlds:
-        lines.append(f"  {'smallest world size that fits':<36}" + "".join(
+        lines.append(f"  {'smallest world size, weights fit':<36}" + "".join(
             f"{(str(min_worlds[c]) if min_worlds[c] else '-'):>14}" for c in cols))
     return "\n".join(lines)
 

@@ -16,13 +16,13 @@ the host tier after eviction (complete 1024-token chunks). Prints a table, then 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from common import backend
 from kv_cache_hstu import HistoryKVCache
 from modeling_hstu import HSTUConfig, HSTUModel, make_batch, user_tokens
 
@@ -121,16 +121,6 @@ def median_seconds(fn, reps: int, after=None) -> float:
     return statistics.median(times)
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 @torch.inference_mode()
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -173,7 +163,7 @@ def main():
     L = len(reqs[0][0]) + CANDIDATES
     print(f"\nHSTU bench config: hidden {c.hidden_size}, {c.num_layers} layers, {c.num_heads} heads x "
           f"(q/k {c.attention_dim}, u/v {c.linear_dim}), {n_params / 1e6:.1f}M parameters, fp32, random weights "
-          f"(seed 0); {a.threads} threads; {cpu_name()}")
+          f"(seed 0); {a.threads} threads; {backend.cpu_model_name()}")
     print(f"request per user: {cached_tokens} cached history tokens + {2 * NEW_EVENTS} new + {CANDIDATES} candidates "
           f"(full sequence {L}); batch of {users} users; page size {PAGE_SIZE}; median of {reps} (cached), "
           f"{max(reps // 2, 1)} (others) after a warm-up")

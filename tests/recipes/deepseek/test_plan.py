@@ -1,0 +1,156 @@
+"""plan.py (deployment planning on the meta device) against models actually built and loaded on the CPU: per-rank
+weight bytes equal rank 0's slice's state_dict, KV bytes per token equal cache_bytes_per_block / block_size, the
+A3 preset prints its table, and bad options give one line and exit code 2."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import plan
+from common.parallel import LLMParallelLayout, Parallel
+from config_deepseek_v4 import ModelArgs
+from modeling_deepseek_v4 import DeepseekV4
+from tiny_deepseek_v4 import TINY_CONFIG, write_tiny_checkpoint
+from weights_deepseek_v4 import load_model
+
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "deepseek"
+A3 = RECIPE / "configs" / "atlas-a3-flash.yaml"
+ENGINE = {"block_size": 16, "max_num_seqs": 16, "max_num_batched_tokens": 512}  # configs/tiny-cpu-dp2-ep2.yaml's
+
+LAYOUTS = [
+    LLMParallelLayout(world_size=2, lmhead_tp=2),  # configs/tiny-cpu-dp2-ep2.yaml: DP2 + EP2, LM head over both
+    LLMParallelLayout(world_size=2, attn_tp=2),  # TP2: heads and output groups split, EP2
+    LLMParallelLayout(world_size=4, attn_tp=2, embed_tp=2, lmhead_tp=4),
+]
+
+
+def tiny_plan(layout, dtype=torch.float32):
+    return plan.plan(TINY_CONFIG, "tiny", "test", layout, dtype, ENGINE)[0]
+
+
+def built_on_cpu(layout, dtype=torch.float32):
+    with plan._default_dtype(dtype):
+        return DeepseekV4(ModelArgs.from_config(TINY_CONFIG), Parallel(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["dp2-ep2-head2", "tp2-ep2", "dp2xtp2-ep4-vocab"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_weight_bytes_equal_rank0_slice_built_on_cpu(layout, dtype):
+    p, model = tiny_plan(layout, dtype), built_on_cpu(layout, dtype)
+    state = model.state_dict()
+    assert p.total("dtype") == sum(t.nbytes for t in state.values())
+    for part in plan.PARTS:  # and part by part
+        assert p.weights[part]["dtype"] == sum(t.nbytes for n, t in state.items() if plan.part_of(n) == part), part
+    assert all(p.weights[part]["dtype"] > 0 for part in plan.PARTS)
+
+
+def test_weight_bytes_equal_a_real_load_single_process(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "ckpt", seed=1)  # the publisher's format (FP8 + MXFP4), dequantized
+    for dtype in (torch.bfloat16, torch.float32):
+        model = load_model(path, dtype)
+        held = sum(t.nbytes for t in model.state_dict().values())
+        assert tiny_plan(LLMParallelLayout(), dtype).total("dtype") == held
+
+
+def test_quantized_columns_follow_upstreams_converter():
+    p, model = tiny_plan(LAYOUTS[0], torch.bfloat16), built_on_cpu(LAYOUTS[0], torch.bfloat16)
+    state = model.state_dict()
+    experts = [t for n, t in state.items() if n.endswith((".ffn.experts.w13", ".ffn.experts.w2"))]
+    numel, rows = sum(t.numel() for t in experts), sum(t.numel() // t.shape[-1] for t in experts)
+    assert p.weights["routed experts"]["W8A8"] == numel + 4 * rows  # int8 + an fp32 scale per output channel
+    assert p.weights["routed experts"]["W4A8"] == numel // 2 + 12 * rows  # int4 + uint64 scale + fp32 bias
+    for part in ("embedding", "LM head", "mHC / norms"):  # not quantized upstream
+        assert p.weights[part]["W8A8"] == p.weights[part]["W4A8"] == p.weights[part]["dtype"]
+    attn = {n: t for n, t in state.items() if plan.part_of(n) == "attention"}
+    int8 = [t for n, t in attn.items() if n.endswith((".attn.wq_b.weight", ".attn.wo_b.weight", "indexer.wq_b.weight"))]
+    assert len(int8) == 4 * 2 + 2  # wq_b and wo_b in every layer, the indexer's wq_b in the two CSA layers
+    expected = sum(t.nbytes for t in attn.values()) - sum(t.nbytes - t.numel() - 4 * t.shape[0] for t in int8)
+    assert p.weights["attention"]["W8A8"] == expected
+
+
+@pytest.mark.parametrize("layout", [LLMParallelLayout()] + LAYOUTS, ids=["one", "dp2-ep2-head2", "tp2-ep2",
+                                                                          "dp2xtp2-ep4-vocab"])
+def test_kv_bytes_per_token_equal_the_cpu_models_cache(layout):
+    model = built_on_cpu(layout)
+    for bs in (8, 16, 32):
+        got = plan.plan(TINY_CONFIG, "tiny", "test", layout, torch.float32, {**ENGINE, "block_size": bs})[0]
+        expected = {g: n / bs for g, n in model.cache_bytes_per_block(bs).items()}
+        assert got.kv_per_token == expected
+        # attention DP does not split the cache, and under attention TP the one KV head is replicated
+        one = plan.plan(TINY_CONFIG, "tiny", "test", LLMParallelLayout(), torch.float32, {**ENGINE, "block_size": bs})
+        assert got.kv_per_token == one[0].kv_per_token
+
+
+def test_tokens_that_fit_size_the_cache_as_the_engine_does():
+    from common.engine import EngineConfig
+    from common.engine.model_runner import blocks_that_fit
+
+    p, model = tiny_plan(LAYOUTS[0]), built_on_cpu(LAYOUTS[0])
+    budget = 3 * 2**20
+    config = EngineConfig(**{**ENGINE, "max_num_seqs": 10**6}, kv_cache_memory_bytes=budget, max_model_len=10**9)
+    assert p.tokens_engine(budget) == blocks_that_fit(model, config) * ENGINE["block_size"]
+
+
+def test_real_flash_config_on_the_a3_layout():
+    """The published V4-Flash dimensions (transformers' defaults but for the layer kinds), rank 0 of DP16 + EP16."""
+    from transformers import DeepseekV4Config
+
+    ref = DeepseekV4Config()
+    for key in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "head_dim", "q_lora_rank", "n_routed_experts", "num_experts_per_tok", "o_groups", "o_lora_rank",
+                "index_n_heads", "index_head_dim", "index_topk", "sliding_window", "qk_rope_head_dim"):
+        assert plan.FLASH_CONFIG[key] == getattr(ref, key), key
+    args = ModelArgs.from_config(plan.FLASH_CONFIG)
+    assert args.layer_types[:4] == ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                                    "heavily_compressed_attention"]
+    p = plan.plan(plan.FLASH_CONFIG, "flash", "test", LLMParallelLayout(world_size=16, lmhead_tp=4), torch.bfloat16,
+                  {"block_size": 128})[0]
+    assert p.weights["routed experts"]["dtype"] == 43 * (256 // 16) * 3 * 2048 * 4096 * 2
+    assert p.weights["LM head"]["dtype"] == 129280 // 4 * 4096 * 2
+    # per token, bf16: 43 K=V rows of 512, the compressors' [kv | gate] state (CSA 2x512 wide, HCA 512, the CSA
+    # indexers' 2x128), and one compressed entry per 4 / 128 tokens (CSA: main + indexer, HCA: main)
+    assert p.kv_per_token == {"window": 2 * (43 * 512 + 21 * 2 * 2 * 512 + 20 * 2 * 512 + 21 * 2 * 2 * 128),
+                              "compressed4": 2 * 21 * (512 + 128) / 4, "compressed128": 2 * 20 * 512 / 128}
+
+
+def run_plan(*args):
+    return subprocess.run([sys.executable, "plan.py", *map(str, args)], cwd=RECIPE, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a3_preset_prints_the_table():
+    r = run_plan("--config", "configs/atlas-a3-flash.yaml")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for needle in ("DeepSeek-V4-Flash", "weights per rank", "bf16", "W8A8", "routed experts", "LM head",
+                   "compressed4", "compressed128", "Atlas A3 die: 64 GiB", "tokens, engine sizing",
+                   "preset kv_cache_memory_bytes fits", "smallest world size, weights fit"):
+        assert needle in out, needle
+    assert "MoE EP 16" in out and "LM head TP 4" in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--config", "configs/nope.yaml"], "no such file"),
+    (["--config", "configs/atlas-a3-flash.yaml", "--model", "huge"], "--model"),
+    (["--config", "configs/atlas-a3-flash.yaml", "--reserve-fraction", "1.5"], "--reserve-fraction"),
+    (["--config", "configs/atlas-a3-flash.yaml", "--device-memory-gib", "0"], "--device-memory-gib"),
+    (["--config", "configs/atlas-a3-flash.yaml", "--world-size", "0"], "--world-size"),
+    (["--config", "configs/atlas-a3-flash.yaml", "--world-size", "3"], "does not divide the model's 256"),
+    (["--config", "configs/bench-cpu.yaml"], "no default model"),
+    (["--config", "configs/tiny-cpu-dp2-ep2.yaml", "--weights", "/no/such/dir"], "/no/such/dir"),
+    (["--config", "configs/tiny-cpu-dp2-ep2.yaml", "--dtype", "fp64"], "--dtype"),
+])
+def test_bad_options_give_one_line_and_exit_2(argv, needle, capsys, monkeypatch):
+    monkeypatch.chdir(RECIPE)
+    with pytest.raises(SystemExit) as e:
+        plan.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_bad_option_from_the_command_line():
+    r = run_plan("--config", "configs/atlas-a3-flash.yaml", "--reserve-fraction", "-1")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--reserve-fraction" in r.stderr
