@@ -68,8 +68,11 @@ class LLMEngine:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None):
         self.model, self.tokenizer = model, tokenizer
         config = (config or EngineConfig()).resolve(model.args.max_position_embeddings)
-        num_blocks = config.num_blocks or blocks_that_fit(model, config)
-        capacity = (num_blocks - 1) * config.block_size
+        specs = model.cache_specs(config.block_size)
+        num_blocks = ({s.name: config.num_blocks for s in specs} if config.num_blocks
+                      else blocks_that_fit(model, config))
+        full = [num_blocks[s.name] for s in specs if s.sliding_window is None] or list(num_blocks.values())
+        capacity = (min(full) - 1) * config.block_size  # tokens of one request in the full groups
         if capacity < config.max_model_len:  # one request must always fit in the whole cache
             logger.warning("the KV cache holds %d tokens: max_model_len lowered from %d", capacity,
                            config.max_model_len)

@@ -18,12 +18,28 @@ class ModelRunnerOutput:
     prompt_logits: list[torch.Tensor | None]  # per scheduled request: [len(prompt_logprob_positions), V] or None
 
 
-def blocks_that_fit(model, config: EngineConfig) -> int:
-    """As many blocks per group as the memory budget holds, capped at what max_num_seqs full-length requests
-    could use."""
-    per_block = sum(model.cache_bytes_per_block(config.block_size).values())
-    cap = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1
-    return max(2, min(config.kv_cache_memory_bytes // per_block, cap))
+def blocks_that_fit(model, config: EngineConfig) -> dict[str, int]:
+    """Blocks per cache group for the memory budget. A sliding-window group holds, per running request, only the
+    blocks its window and its next chunk cover, so it gets what max_num_seqs requests can hold at once (a bound
+    that does not grow with max_model_len); the full groups share the rest of the budget, capped at what
+    max_num_seqs full-length requests could use. (Equal counts for every group left most of a windowed model's
+    cache unusable: DeepSeek-V4-Flash keeps 97% of its bytes per token in the window group.)"""
+    bs = config.block_size
+    specs = model.cache_specs(bs)
+    per_block = model.cache_bytes_per_block(bs)
+    full_len = -(-config.max_model_len // bs)
+    # a decoding request holds the blocks its window spans; the step's prefill chunks come on top (past that bound,
+    # rare, the scheduler preempts as for any group)
+    windowed = {s.name: config.max_num_seqs * min(full_len, -(-(s.sliding_window - 1) // bs) + 1)
+                + -(-config.max_num_batched_tokens // bs) + 1 for s in specs if s.sliding_window is not None}
+    full = [s.name for s in specs if s.sliding_window is None]
+    cap = config.max_num_seqs * full_len + 1
+    left = config.kv_cache_memory_bytes - sum(n * per_block[g] for g, n in windowed.items())
+    n_full = min(left // max(sum(per_block[g] for g in full), 1), cap) if full else 0
+    if not full or n_full < 2:  # the budget does not even hold the windows: every group alike, as before
+        n = max(2, min(config.kv_cache_memory_bytes // sum(per_block.values()), cap))
+        return {s.name: n for s in specs}
+    return {**windowed, **dict.fromkeys(full, n_full)}
 
 
 class ModelRunner:
@@ -31,14 +47,14 @@ class ModelRunner:
     allocate_caches(num_blocks: {group: n}, block_size), forward(ForwardBatch) -> hidden [T, D] and
     compute_logits(hidden [N, D]) -> [N, V]."""
 
-    def __init__(self, model, config: EngineConfig, num_blocks: int):
+    def __init__(self, model, config: EngineConfig, num_blocks: dict[str, int]):
         self.model, self.config = model, config
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
             backend.keep_freed_host_memory()
             cpu_gemm.pack_model(model)  # bf16 weights into oneDNN's layout, once, dense copies dropped (fp32: no-op)
         self.specs = model.cache_specs(config.block_size)
-        self.num_blocks = {s.name: num_blocks for s in self.specs}
+        self.num_blocks = dict(num_blocks)
         model.allocate_caches(self.num_blocks, config.block_size)
 
     @torch.inference_mode()

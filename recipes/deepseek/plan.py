@@ -14,9 +14,9 @@ as rank 0 of that layout (a Parallel without process groups; every rank holds th
   dtype). Attention DP does not split the cache (each rank holds its own requests' whole cache) and under
   attention TP the single KV head is replicated, so this is also what every rank holds per token of its requests;
 - the tokens of KV that fit in one die after the weights, leaving `--reserve-fraction` of the die for activations
-  and workspace: as the engine sizes its cache today (every group the same number of blocks,
-  common/engine/model_runner.blocks_that_fit), and, for comparison, if the window group held only the blocks
-  max_num_seqs requests use; whether the preset's kv_cache_memory_bytes fits beside the weights; the smallest
+  and workspace, as the engine sizes its cache (common/engine/model_runner.blocks_that_fit: the window group
+  holds what max_num_seqs requests use at once, the compressed groups the rest); whether the preset's
+  kv_cache_memory_bytes fits beside the weights; the smallest
   power-of-two world size (the preset's layout, experts over all ranks) at which the weights fit at all.
 Not counted: the MTP layer (`mtp.0`, a whole decoder layer; the model here does not build it), upstream's int8
 indexer cache (A8C8 on A3) and FP8 KV cache (C8 on 950), and o_proj TP (upstream splits wo_a for Pro on A3).
@@ -38,6 +38,8 @@ import yaml
 
 from common import backend
 from common import parallel as par
+from common.engine import EngineConfig
+from common.engine.model_runner import blocks_that_fit
 from cli_deepseek import DTYPES, HERE, ArgumentParser, parallel_layout
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import WINDOW, DeepseekV4
@@ -196,20 +198,22 @@ class Plan:
     weights: dict[str, dict[str, int]]
     kv_per_token: dict[str, float]
     kv_per_block: dict[str, int]
-    window_blocks: int  # window-group blocks max_num_seqs requests (and one step's new tokens) use at most
+    model: object  # rank 0's slice, on the meta device
+    engine_limits: tuple[int, int, int]  # max_num_seqs, max_num_batched_tokens, max_model_len
 
     def total(self, column: str) -> int:
         return sum(row[column] for row in self.weights.values())
 
     def tokens_engine(self, budget: int) -> int:
-        """Tokens the engine's cache holds in `budget` bytes: every group gets budget // (sum per block) blocks."""
-        return max(budget, 0) // sum(self.kv_per_block.values()) * self.block_size
-
-    def tokens_window_bounded(self, budget: int) -> int:
-        """Tokens if the window group held only `window_blocks` and the compressed groups took the rest."""
-        rest = budget - self.window_blocks * self.kv_per_block[WINDOW]
-        compressed = sum(n for g, n in self.kv_per_block.items() if g != WINDOW)
-        return max(rest, 0) // compressed * self.block_size if compressed else 0
+        """Tokens of one rank's requests that the engine's cache holds in `budget` bytes (blocks_that_fit)."""
+        if budget <= 0:
+            return 0
+        config = EngineConfig(block_size=self.block_size, max_num_seqs=self.engine_limits[0],
+                              max_num_batched_tokens=self.engine_limits[1], kv_cache_memory_bytes=budget,
+                              max_model_len=self.engine_limits[2])
+        blocks = blocks_that_fit(self.model, config)
+        full = [blocks[s.name] for s in self.model.cache_specs(self.block_size) if s.sliding_window is None]
+        return (min(full) - 1) * self.block_size
 
 
 def plan(cfg: dict, label: str, source: str, layout: par.LLMParallelLayout, dtype: torch.dtype, engine: dict,
@@ -220,11 +224,10 @@ def plan(cfg: dict, label: str, source: str, layout: par.LLMParallelLayout, dtyp
     model = build_rank0(args, layout, dtype, device)
     bs = int(engine.get("block_size", 16))
     per_block = model.cache_bytes_per_block(bs)  # {group: bytes of one block over all layers}
-    keep = next(s.sliding_window for s in model.cache_specs(bs) if s.name == WINDOW)
-    seqs, step = int(engine.get("max_num_seqs", 32)), int(engine.get("max_num_batched_tokens", 1024))
-    window_blocks = seqs * (-(-keep // bs) + 1) + -(-step // bs)
+    limits = (int(engine.get("max_num_seqs", 32)), int(engine.get("max_num_batched_tokens", 1024)),
+              int(engine.get("max_model_len") or args.max_position_embeddings))
     return Plan(label, source, layout, dtype, bs, weight_bytes(model), {g: n / bs for g, n in per_block.items()},
-                per_block, window_blocks), args
+                per_block, model, limits), args
 
 
 def gib(n: float) -> str:
@@ -256,10 +259,8 @@ def report(p: Plan, preset_name: str, engine: dict, device: Device | None, reser
     lines.append(f"  {'total':<22}{sum(p.kv_per_token.values()):>14,.1f} B")
     budget_preset = int(engine.get("kv_cache_memory_bytes", 256 * 2**20))
     lines += ["", f"preset kv_cache_memory_bytes {gib(budget_preset).strip()}: "
-                  f"{p.tokens_engine(budget_preset):,} tokens as the engine sizes it (every group the same number of "
-                  "blocks),",
-              f"  {p.tokens_window_bounded(budget_preset):,} with the window group bounded to {p.window_blocks:,} "
-              "blocks (max_num_seqs requests + one step)"]
+                  f"{p.tokens_engine(budget_preset):,} tokens as the engine sizes it (the window group bounded to what "
+                  "max_num_seqs requests hold)"]
     if device is None:
         lines.append("device memory: none given (--device / --device-memory-gib): no per-die fit")
         return "\n".join(lines)
@@ -269,10 +270,8 @@ def report(p: Plan, preset_name: str, engine: dict, device: Device | None, reser
               f"{'':<38}" + "".join(f"{h:>14}" for h in heads)]
     left = {c: usable - p.total(c) for c in cols}
     lines.append(f"  {'left for KV after weights':<36}" + "".join(f"{gib(left[c]):>14}" for c in cols))
-    for title, fn in (("tokens, engine sizing", p.tokens_engine),
-                      ("tokens, window group bounded", p.tokens_window_bounded)):
-        lines.append(f"  {title:<36}" + "".join(
-            f"{fn(left[c]):>14,}" if left[c] > 0 else f"{'no fit':>14}" for c in cols))
+    lines.append(f"  {'tokens of KV that fit':<36}" + "".join(
+        f"{p.tokens_engine(left[c]):>14,}" if left[c] > 0 else f"{'no fit':>14}" for c in cols))
     def fits(c):  # the preset's cache beside the weights, in the usable part of the die
         over = budget_preset - left[c]
         return "yes" if over <= 0 else f"no, +{over / GiB:.1f} GiB" if over >= 2**24 else f"no, +{over:,} B"

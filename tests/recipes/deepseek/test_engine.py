@@ -147,3 +147,20 @@ def test_prompts_that_can_never_run_without_chunked_prefill_are_refused_up_front
     out = llm.generate([prompts[1]], SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 48 - len(prompts[1])  # max_model_len
     assert llm.engine.kv_cache.all_blocks_free()
+
+
+def test_the_window_group_gets_only_what_the_running_requests_span(setup):
+    """blocks_that_fit: the sliding-window group is sized by max_num_seqs (its blocks are freed as the window
+    slides), the full groups take the rest of the budget; 16 requests of 85 tokens run without a preemption."""
+    from common.engine import EngineConfig, LLMEngine
+    model, tok, prompts, expected = setup
+    engine = LLMEngine(model, tok, EngineConfig(block_size=16, max_num_seqs=16, max_num_batched_tokens=64,
+                                                kv_cache_memory_bytes=2 * 2**20))
+    blocks = engine.runner.num_blocks
+    window = next(s for s in engine.runner.specs if s.sliding_window is not None)
+    assert blocks[window.name] == 16 * (-(-(window.sliding_window - 1) // 16) + 1) + 64 // 16 + 1
+    assert all(blocks[s.name] > blocks[window.name] for s in engine.runner.specs if s.sliding_window is None)
+    llm = LLM(model, tok, block_size=16, max_num_seqs=16, max_num_batched_tokens=64, kv_cache_memory_bytes=2 * 2**20)
+    outs = llm.generate(prompts * 4, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs[:4]] == [t for t, _ in expected]
+    assert llm.engine.scheduler.num_preemptions == 0 and llm.engine.kv_cache.all_blocks_free()

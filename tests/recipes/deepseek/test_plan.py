@@ -88,9 +88,14 @@ def test_tokens_that_fit_size_the_cache_as_the_engine_does():
     from common.engine.model_runner import blocks_that_fit
 
     p, model = tiny_plan(LAYOUTS[0]), built_on_cpu(LAYOUTS[0])
-    budget = 3 * 2**20
-    config = EngineConfig(**{**ENGINE, "max_num_seqs": 10**6}, kv_cache_memory_bytes=budget, max_model_len=10**9)
-    assert p.tokens_engine(budget) == blocks_that_fit(model, config) * ENGINE["block_size"]
+    budget = 4 * 2**20
+    config = EngineConfig(**ENGINE, kv_cache_memory_bytes=budget, max_model_len=p.engine_limits[2])
+    blocks = blocks_that_fit(model, config)
+    assert p.tokens_engine(budget) == (blocks["compressed4"] - 1) * ENGINE["block_size"]
+    more = blocks_that_fit(model, EngineConfig(**ENGINE, kv_cache_memory_bytes=2 * budget,
+                                               max_model_len=p.engine_limits[2]))
+    # the window group holds what the requests use at once, whatever the budget; the full groups take the rest
+    assert more["window"] == blocks["window"] and more["compressed4"] > blocks["compressed4"]
 
 
 def test_real_flash_config_on_the_a3_layout():
@@ -125,7 +130,7 @@ def test_a3_preset_prints_the_table():
     assert r.returncode == 0, r.stderr
     out = r.stdout
     for needle in ("DeepSeek-V4-Flash", "weights per rank", "bf16", "W8A8", "routed experts", "LM head",
-                   "compressed4", "compressed128", "Atlas A3 die: 64 GiB", "tokens, engine sizing",
+                   "compressed4", "compressed128", "Atlas A3 die: 64 GiB", "tokens of KV that fit",
                    "preset kv_cache_memory_bytes fits", "smallest world size, weights fit"):
         assert needle in out, needle
     assert "MoE EP 16" in out and "LM head TP 4" in out

@@ -108,5 +108,5 @@ def test_a_killed_rank_ends_the_job_with_a_message_naming_it():
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    assert "error: rank 1 of 2 stopped first" in stderr
+    assert "error: rank 1 of 2 failed first (killed by signal 9); torchrun stopped the others" in stderr, stderr[-2000:]
     assert not [pid for pid in descendants if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
