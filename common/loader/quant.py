@@ -83,3 +83,66 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (torch.where(lo % 2 == 0, lo, hi) | x.signbit().long() << 3).to(torch.uint8)   # [..., K]
     packed = codes[..., 0::2] | codes[..., 1::2] << 4                                   # [..., K/2]
     return packed.view(torch.int8), scale.squeeze(-1).to(MX_SCALE_DTYPE)
+
+
+# Integer weights of the W8A8 / W4A8 checkpoints recipes/deepseek/convert_checkpoint.py writes; symmetric,
+# w = q * scale.
+# int8 per channel: int8 [..., N, K], fp32 scale [..., N] (amax over K / 127).
+# int4 per group: int8 [..., N, K/2], two int4 (-8..7) per byte along K, low nibble first; fp32 scale [..., N, K/G]
+# (amax over the group / 7, so the quantizer writes -7..7; -8 is valid storage).
+INT8_MAX, INT4_MIN, INT4_MAX = 127, -8, 7
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] float -> (int8 [..., N, K], fp32 scale [..., N]); an all-zero row gets scale 1."""
+    x = w.float()
+    amax = x.abs().amax(-1)                                                             # [..., N]
+    scale = torch.where(amax > 0, amax / INT8_MAX, 1.0)
+    q = torch.round(x / scale.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)  # [..., N, K]
+    return q, scale
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 values -8..7 [..., K] (K even) -> int8 [..., K/2], low nibble first."""
+    u = q.to(torch.int8).view(torch.uint8) & 0xF
+    return (u[..., 0::2] | u[..., 1::2] << 4).view(torch.int8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int8 [..., K/2] -> int8 values -8..7 [..., K] (sign-extended nibbles, low nibble first)."""
+    u = packed.view(torch.uint8)
+    codes = torch.stack([u & 0xF, u >> 4], dim=-1).flatten(-2).to(torch.int16)         # [..., K] 0..15
+    return ((codes ^ 8) - 8).to(torch.int8)
+
+
+def quantize_int4_per_group(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] float -> (packed int8 [..., K/2], fp32 scale [..., K/group_size]); group_size must divide K, K even."""
+    k = w.shape[-1]
+    if group_size < 1 or k % group_size or k % 2:
+        raise ValueError(f"int4 groups of {group_size} do not split K = {k} (the group size must divide an even K)")
+    x = w.float().unflatten(-1, (-1, group_size))                                       # [..., K/G, G]
+    amax = x.abs().amax(-1)                                                             # [..., K/G]
+    scale = torch.where(amax > 0, amax / INT4_MAX, 1.0)
+    q = torch.round(x / scale.unsqueeze(-1)).clamp(INT4_MIN, INT4_MAX).to(torch.int8)  # [..., K/G, G]
+    return pack_int4(q.flatten(-2)), scale
+
+
+def dequantize_int(weight: torch.Tensor, scale: torch.Tensor, group_size: int | None = None,
+                   dtype=torch.float32) -> torch.Tensor:
+    """group_size None: int8 per channel (scale [..., N]); else packed int4 per group (scale [..., N, K/G]).
+    Returns the float weight [..., N, K]."""
+    if weight.dtype != torch.int8:
+        raise ValueError(f"integer weight must be int8 storage, got {weight.dtype}")
+    if group_size is None:
+        if scale.shape != weight.shape[:-1]:
+            raise ValueError(f"int8 weight {list(weight.shape)} needs a per-channel scale "
+                             f"{list(weight.shape[:-1])}, got {list(scale.shape)}")
+        return (weight.float() * scale.float().unsqueeze(-1)).to(dtype)
+    q = unpack_int4(weight)                                                             # [..., K]
+    k = q.shape[-1]
+    need = [*q.shape[:-1], k // group_size] if group_size > 0 and k % group_size == 0 else None
+    if need is None or list(scale.shape) != need:
+        raise ValueError(f"int4 weight {list(q.shape)} (packed {list(weight.shape)}) in groups of {group_size} "
+                         f"needs a {need} scale, got {list(scale.shape)}")
+    w = q.float().unflatten(-1, (-1, group_size)) * scale.float().unsqueeze(-1)          # [..., K/G, G]
+    return w.flatten(-2).to(dtype)
