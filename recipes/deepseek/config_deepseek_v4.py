@@ -52,6 +52,8 @@ class ModelArgs:
     bos_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 1
     tie_word_embeddings: bool = False
+    quant_format: str | None = None  # "w8a8" | "w4a8": a checkpoint convert_checkpoint.py wrote; None: float weights
+    quant_group_size: int | None = None  # w4a8: inputs per int4 scale
 
     def __post_init__(self):
         n = self.num_hidden_layers
@@ -78,6 +80,10 @@ class ModelArgs:
             raise ValueError("n_shared_experts must be 0 or 1")
         if self.sliding_window < 1 or any(r < 1 for r in self.compress_rates.values()):
             raise ValueError("sliding_window and compress rates must be >= 1")
+        if self.quant_format not in (None, "w8a8", "w4a8"):
+            raise ValueError(f"quant_format {self.quant_format!r}: expected w8a8, w4a8 or none")
+        if (self.quant_format == "w4a8") != (self.quant_group_size is not None):
+            raise ValueError("quant_group_size is set exactly for w4a8")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -115,5 +121,8 @@ class ModelArgs:
         else:
             scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", rope.get("type")) == "yarn" else None)
         cfg["compress_rope_scaling"] = dict(scaling) if scaling else None
+        quant = cfg.get("quantization_config") or {}
+        if quant.get("quant_method") == "npu-cookbook":  # convert_checkpoint.py's; the publisher's FP8 is dequantized
+            cfg["quant_format"], cfg["quant_group_size"] = quant["format"], quant.get("group_size")
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in cfg.items() if k in names})

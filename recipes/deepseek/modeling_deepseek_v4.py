@@ -86,6 +86,54 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
+class QuantLinear(nn.Module):
+    """W8A8 linear (upstream's `w8a8-int`): int8 weight [N, K] with an fp32 scale per output channel, as
+    convert_checkpoint.py stores them; the activations are quantized per token on the fly (ops.quant_linear)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.quant_linear(x, self.weight, self.weight_scale)  # [..., N] in x's dtype
+
+
+def linear(args: ModelArgs, in_features: int, out_features: int, quantized: bool) -> nn.Module:
+    """One of the projections a quantized checkpoint stores in int8 (upstream's selection), else a plain linear."""
+    if quantized and args.quant_format is not None:
+        return QuantLinear(in_features, out_features)
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+class Experts(nn.Module):
+    """The routed experts of this rank, stacked for grouped matmuls: w13 [E, gate|up, D] and w2 [E, D, I]; float,
+    or as a quantized checkpoint stores them: int8 per output channel (w8a8: `_scale` [E, N]) or int4 packed two a
+    byte along the input with a scale per `group_size` inputs (w4a8: [E, N, K/2], `_scale` [E, N, K/group])."""
+
+    def __init__(self, args: ModelArgs, E: int):
+        super().__init__()
+        I, D = args.moe_intermediate_size, args.hidden_size
+        self.group_size = args.quant_group_size
+        if args.quant_format is None:
+            self.w13 = nn.Parameter(torch.empty(E, 2 * I, D))
+            self.w2 = nn.Parameter(torch.empty(E, D, I))
+            self.w13_scale = self.w2_scale = None
+            return
+        packed = 2 if self.group_size else 1  # int4: two values a byte
+        for name, (n, k) in (("w13", (2 * I, D)), ("w2", (D, I))):
+            self.register_buffer(name, torch.zeros(E, n, k // packed, dtype=torch.int8))
+            scale = (E, n, k // self.group_size) if self.group_size else (E, n)
+            self.register_buffer(f"{name}_scale", torch.ones(*scale, dtype=torch.float32))
+
+    def matmul(self, x: torch.Tensor, which: str, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [M, K] sorted by expert -> [M, N] through w13 or w2."""
+        weight, scale = getattr(self, which), getattr(self, f"{which}_scale")
+        if scale is None:
+            return ops.grouped_matmul(x, weight, tokens_per_expert)
+        return ops.grouped_quant_matmul(x, weight, scale, tokens_per_expert, self.group_size)
+
+
 class Compressor(nn.Module):
     """Softmax-gated pooling of every `ratio` tokens into one KV entry (then RMSNorm + RoPE at ratio*w).
 
@@ -154,7 +202,7 @@ class Indexer(nn.Module):
     def __init__(self, args: ModelArgs, ratio: int, rope: Rope):
         super().__init__()
         self.n_heads, self.head_dim, self.topk, self.ratio = args.index_n_heads, args.index_head_dim, args.index_topk, ratio
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wq_b = linear(args, args.q_lora_rank, self.n_heads * self.head_dim, quantized=True)
         self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(args, ratio, self.head_dim, overlap=True, rope=rope)
         self.rope = rope
@@ -183,13 +231,16 @@ class Attention(nn.Module):
         self.rope = ropes["main" if self.kind == SLIDING else "compress"]
         self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wq_b = linear(args, args.q_lora_rank, self.n_heads * self.head_dim, quantized=True)
         self.wkv = nn.Linear(args.hidden_size, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.wo_a = GroupedLinear(self.n_heads * self.head_dim // self.groups, args.o_lora_rank, self.groups)
-        self.wo_b = nn.Linear(self.groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.wo_b = linear(args, self.groups * args.o_lora_rank, args.hidden_size, quantized=True)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
-        for param, dim in ((self.wq_b.weight, 0), (self.wo_a.weight, 0), (self.wo_b.weight, 1), (self.attn_sink, 0)):
+        sliced = [(self.wq_b.weight, 0), (self.wo_a.weight, 0), (self.wo_b.weight, 1), (self.attn_sink, 0)]
+        if isinstance(self.wq_b, QuantLinear):
+            sliced.append((self.wq_b.weight_scale, 0))  # wo_b's scale is per output channel: whole on every rank
+        for param, dim in sliced:
             par.shard(param, dim, parallel, "attn_tp")  # heads / groups of this rank
         self.ratio = args.compress_rates.get(self.kind, 0)
         self.compressor = None if self.kind == SLIDING else Compressor(args, self.ratio, self.head_dim, self.kind == CSA, self.rope)
@@ -275,13 +326,11 @@ class MoE(nn.Module):
         self.ep_group, self.tp_group = parallel.group("moe_ep"), parallel.group("attn_tp")
         self.ep_size, self.ep_rank = parallel.size("moe_ep"), parallel.rank_in("moe_ep")
         self.tp_size, self.tp_rank = parallel.size("attn_tp"), parallel.rank_in("attn_tp")
-        E, I, D = args.n_routed_experts // self.ep_size, args.moe_intermediate_size, args.hidden_size
+        E = args.n_routed_experts // self.ep_size
         self.hash = args.mlp_layer_types[layer] == "hash_moe"
         self.args = args
         self.gate = Gate(args, self.hash)
-        self.experts = nn.Module()
-        self.experts.w13 = nn.Parameter(torch.empty(E, 2 * I, D))  # [E/P, gate|up, D]
-        self.experts.w2 = nn.Parameter(torch.empty(E, D, I))
+        self.experts = Experts(args, E)  # this rank's E/P
         self.shared_experts = SharedExpert(args) if args.n_shared_experts else None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -297,8 +346,8 @@ class MoE(nn.Module):
         )  # [T_r, k], [T_r, k]
         xs, row_idx, counts = ops.moe_init_routing(x_r, idx, a.n_routed_experts)  # [T_r*k, D] by global expert
         xe, local_counts, handle = par.dispatch_to_experts(xs, counts, self.ep_group)  # [M, D] by local expert
-        h = ops.swiglu(ops.grouped_matmul(xe, self.experts.w13, local_counts), a.swiglu_limit)  # [M, I]
-        y = par.combine_from_experts(ops.grouped_matmul(h, self.experts.w2, local_counts), handle, self.ep_group)
+        h = ops.swiglu(self.experts.matmul(xe, "w13", local_counts), a.swiglu_limit)  # [M, I]
+        y = par.combine_from_experts(self.experts.matmul(h, "w2", local_counts), handle, self.ep_group)
         shared = self.shared_experts(x_r) if self.shared_experts is not None else None
         out = ops.moe_finalize_routing(y, weights, row_idx, shared)  # [T_r, D]
         return par.all_gather_v(out, [len(run) for run in runs], self.tp_group)  # [T, D]
@@ -308,8 +357,8 @@ class SharedExpert(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         I, D = args.moe_intermediate_size, args.hidden_size
-        self.w13 = nn.Linear(D, 2 * I, bias=False)  # packs checkpoint w1 (gate) and w3 (up)
-        self.w2 = nn.Linear(I, D, bias=False)
+        self.w13 = linear(args, D, 2 * I, quantized=True)  # packs checkpoint w1 (gate) and w3 (up)
+        self.w2 = linear(args, I, D, quantized=True)
         self.limit = args.swiglu_limit
 
     def forward(self, x):

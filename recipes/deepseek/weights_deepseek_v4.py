@@ -45,11 +45,15 @@ _FROM_TRANSFORMERS = [
     (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
     (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
     (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
-    (r"\.experts\.gate_up_proj$", ".experts.w13"),
-    (r"\.experts\.down_proj$", ".experts.w2"),
+    (r"\.experts\.gate_up_proj(_scale)?$", r".experts.w13\1"),
+    (r"\.experts\.down_proj(_scale)?$", r".experts.w2\1"),
 ]
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
-_SHARED = re.compile(r"^(layers\.\d+\.ffn\.shared_experts)\.(w[13])\.weight$")
+_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight(_scale)?$")
+_SHARED = re.compile(r"^(layers\.\d+\.ffn\.shared_experts)\.(w[13])\.weight(_scale)?$")
+
+
+STACKED = (".experts.w13", ".experts.w2", ".experts.w13_scale", ".experts.w2_scale")
+PACKED = STACKED + ("shared_experts.w13.weight", "shared_experts.w13.weight_scale")  # filled slice by slice
 
 
 def transformers_to_publisher(name: str) -> str:
@@ -69,11 +73,11 @@ def rename(name: str, transformers_layout: bool, experts: tuple[int, int, int] |
         local = int(m[2]) - (0 if experts is None else experts[0] * experts[2])
         if experts is not None and not 0 <= local < experts[2]:
             return None  # another rank's expert: never read
-        return f"{m[1]}.{stacked}", (local, part)
-    if experts is not None and experts[1] > 1 and name.endswith((".experts.w13", ".experts.w2")):
+        return f"{m[1]}.{stacked}{m[4] or ''}", (local, part)  # its int8 scale (a quantized checkpoint) alike
+    if experts is not None and experts[1] > 1 and name.endswith(STACKED):
         return name, None, (0, experts[0], experts[1])  # transformers' stacked [E, ...]: this rank's experts
     if m := _SHARED.match(name):
-        return f"{m[1]}.w13.weight", 0 if m[2] == "w1" else 1
+        return f"{m[1]}.w13.weight{m[3] or ''}", 0 if m[2] == "w1" else 1
     return name, None
 
 
@@ -108,9 +112,9 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel
     args = ModelArgs.from_config(ckpt.config)
     with _default_dtype(dtype), torch.device(device):
         model = DeepseekV4(args, parallel)
-    for name, param in model.named_parameters():
-        if name.endswith(("experts.w13", "experts.w2", "shared_experts.w13.weight")):
-            param.weight_loader = _packed_loader
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith(PACKED):
+            tensor.weight_loader = _packed_loader
     layout = any(n.startswith("model.") for n in ckpt.names())
     moe = model.layers[0].ffn
     experts = (moe.ep_rank, moe.ep_size, moe.experts.w13.shape[0])
