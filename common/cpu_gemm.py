@@ -23,7 +23,6 @@ import functools
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 INFERENCE_ONLY = "packed for inference by common.cpu_gemm.pack_model: load weights before packing"

@@ -97,9 +97,9 @@ def main():
             sys.exit(f"world {world}: exit {run.returncode}\n{run.stderr[-3000:]}")
         rows.append((world, json.loads(line.removeprefix("REPORT "))))
     mib = 2**20
-    print(f"\n| ranks | weights held / rank MiB | checkpoint read / rank MiB | largest tensor read MiB | peak RSS "
-          f"before loading / after / at the end MiB | loading's peak over its start MiB | expert bytes sent per "
-          f"token, measured / computed |")
+    print("\n| ranks | weights held / rank MiB | checkpoint read / rank MiB | largest tensor read MiB | peak RSS "
+          "before loading / after / at the end MiB | loading's peak over its start MiB | expert bytes sent per "
+          "token, measured / computed |")
     print("|---|---|---|---|---|---|---|")
     for world, reports in rows:
         held = max(r["held"] for r in reports) / mib

@@ -43,12 +43,7 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     """Validate --weights / --config, load the preset into a.preset and resolve a.dtype."""
     if a.weights is not None and not a.weights.is_dir():
         p.error(f"--weights {a.weights}: no such directory")
-    if not a.config.is_file():
-        p.error(f"--config {a.config}: no such file")
-    try:
-        a.preset = yaml.safe_load(a.config.read_text()) or {}
-    except yaml.YAMLError as e:
-        p.error(f"--config {a.config}: not valid YAML ({str(e).splitlines()[0]})")
+    read_preset(p, a)
     a.layout = parallel_layout(p, a)
     preset_dtype = a.preset.get("dtype", backend.AUTO)  # --dtype > the preset's dtype > auto (follows the device)
     if preset_dtype not in DTYPES:
@@ -72,6 +67,18 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     if a.layout.world_size > 1 and int(os.environ["WORLD_SIZE"]) != a.layout.world_size:
         p.error(f"--config {a.config.name} is for {a.layout.world_size} ranks, but torchrun started "
                 f"{os.environ['WORLD_SIZE']}")
+
+
+def read_preset(p: ArgumentParser, a: argparse.Namespace) -> None:
+    """a.config -> a.preset (a mapping), or one line and exit code 2."""
+    if not a.config.is_file():
+        p.error(f"--config {a.config}: no such file")
+    try:
+        a.preset = yaml.safe_load(a.config.read_text()) or {}
+    except yaml.YAMLError as e:
+        p.error(f"--config {a.config}: not valid YAML ({str(e).splitlines()[0]})")
+    if not isinstance(a.preset, dict):
+        p.error(f"--config {a.config}: expected a mapping")
 
 
 PARALLEL_KEYS = ("world_size", "attn_tp", "moe_tp", "embed_tp", "lmhead_tp")

@@ -25,7 +25,6 @@ Bad options: one line on stderr, exit code 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import re
@@ -34,15 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
 from common import backend
 from common import parallel as par
 from common.engine import EngineConfig
 from common.engine.model_runner import blocks_that_fit
-from cli_deepseek import DTYPES, HERE, ArgumentParser, parallel_layout
+from cli_deepseek import DTYPES, HERE, ArgumentParser, parallel_layout, read_preset
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import WINDOW, DeepseekV4
+from weights_deepseek_v4 import torch_default_dtype
 from tiny_deepseek_v4 import TINY_CONFIG
 
 GiB = 2**30
@@ -149,19 +148,9 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     return out
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def build_rank0(args: ModelArgs, layout: par.LLMParallelLayout, dtype: torch.dtype, device="meta") -> DeepseekV4:
     """Rank 0's slice of the model for `layout` (no process groups: sizes from the layout, rank 0 in each)."""
-    with _default_dtype(dtype), torch.device(device):
+    with torch_default_dtype(dtype), torch.device(device):
         return DeepseekV4(args, par.Parallel(layout))
 
 
@@ -304,14 +293,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device-memory-gib", type=float, help="memory of one device (overrides --device's)")
     p.add_argument("--reserve-fraction", type=float, default=0.1, help="of the device, for activations / workspace")
     a = p.parse_args(argv)
-    if not a.config.is_file():
-        p.error(f"--config {a.config}: no such file")
-    try:
-        a.preset = yaml.safe_load(a.config.read_text()) or {}
-    except yaml.YAMLError as e:
-        p.error(f"--config {a.config}: not valid YAML ({str(e).splitlines()[0]})")
-    if not isinstance(a.preset, dict):
-        p.error(f"--config {a.config}: expected a mapping")
+    read_preset(p, a)
     a.layout = parallel_layout(p, a)
     if a.world_size is not None:
         if a.world_size < 1:

@@ -10,7 +10,6 @@ import re
 
 import torch
 
-from common import parallel as par
 from common.loader import Checkpoint, load_weights
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import DeepseekV4
@@ -96,7 +95,8 @@ def _packed_loader(param: torch.Tensor, tensor: torch.Tensor, shard) -> None:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def torch_default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to `dtype` inside the block (the model's float tensors are created in it)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -110,7 +110,7 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel
     common.parallel.Parallel, this rank's slice of the model, reading only the parts of the tensors it holds."""
     ckpt = Checkpoint(path)
     args = ModelArgs.from_config(ckpt.config)
-    with _default_dtype(dtype), torch.device(device):
+    with torch_default_dtype(dtype), torch.device(device):
         model = DeepseekV4(args, parallel)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if name.endswith(PACKED):

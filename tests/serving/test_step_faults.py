@@ -1,11 +1,9 @@
 """A step that raises fails its own requests, not the engine or the server: a real forward of the tiny model that
 raises whenever a marked token id is among its inputs, a real uvicorn, the official client and raw HTTP."""
 import json
-import time
 
 import openai
 import pytest
-import torch
 from openai import OpenAI
 from torch import nn
 

@@ -31,7 +31,7 @@ def tiny_plan(layout, dtype=torch.float32):
 
 
 def built_on_cpu(layout, dtype=torch.float32):
-    with plan._default_dtype(dtype):
+    with plan.torch_default_dtype(dtype):
         return DeepseekV4(ModelArgs.from_config(TINY_CONFIG), Parallel(layout))
 
 
