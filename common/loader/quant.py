@@ -7,6 +7,8 @@ scale [N, K/32], one power of two per 32 consecutive inputs; w = fp4 * scale.
 import torch
 import torch.nn.functional as F
 
+from common.ops.reference.quant import pack_int4, unpack_int4  # the layout the int4 expert matmuls read
+
 FP8_BLOCK = 128
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 MX_GROUP = 32
@@ -100,19 +102,6 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scale = torch.where(amax > 0, amax / INT8_MAX, 1.0)
     q = torch.round(x / scale.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)  # [..., N, K]
     return q, scale
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int8 values -8..7 [..., K] (K even) -> int8 [..., K/2], low nibble first."""
-    u = q.to(torch.int8).view(torch.uint8) & 0xF
-    return (u[..., 0::2] | u[..., 1::2] << 4).view(torch.int8)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int8 [..., K/2] -> int8 values -8..7 [..., K] (sign-extended nibbles, low nibble first)."""
-    u = packed.view(torch.uint8)
-    codes = torch.stack([u & 0xF, u >> 4], dim=-1).flatten(-2).to(torch.int16)         # [..., K] 0..15
-    return ((codes ^ 8) - 8).to(torch.int8)
 
 
 def quantize_int4_per_group(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -233,3 +233,87 @@ def _grouped_matmul(a):
 def _swiglu(a):
     _check(a.self.shape[a.dim] % 2 == 0, "npu_swiglu: the split dim must be even")
     return ref.swiglu(a.self.movedim(a.dim, -1)).movedim(-1, a.dim)
+
+
+# ---------------------------------------------------------------- quantized (W8A8)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@emulates("npu_dynamic_quant")
+def _dynamic_quant(a):
+    x = a.input
+    _check(x.dtype in _HALF and x.dim() > 1, "npu_dynamic_quant: x fp16 / bf16 with more than one dim")
+    _covers(a.smooth_scales is None and a.group_index is None, "smooth_scales / group_index (MoE smoothing)")
+    _covers(a.dst_type in (None, torch.int8, 1) and a.quant_mode == "pertoken" and a.dst_type_max == 0.0,
+            "dst_type other than int8, quant_mode other than pertoken, dst_type_max")
+    return ref.dynamic_quant(x)  # scale = rowMax(|x|) / 127, y = round(x / scale): the reference's formula
+
+
+# npu_quant_matmul (A2 / A3 table): with pertoken_scale, x1 / x2 int8, scale fp32 or bf16 -> bf16 output, scale
+# fp32 -> fp16 output; bias int32 / bf16 / fp32 (bf16 out) or int32 / fp16 / fp32 (fp16 out).
+_QMM_BIAS = {torch.bfloat16: (torch.bfloat16, torch.float32), torch.float16: (torch.float16, torch.float32)}
+
+
+@emulates("npu_quant_matmul")
+def _quant_matmul(a):
+    x1, x2, scale, pertoken, bias = a.x1, a.x2, a.scale, a.pertoken_scale, a.bias
+    _check(x1.dtype == torch.int8 and x2.dtype == torch.int8, "npu_quant_matmul: x1 and x2 int8 (int32 = int4)")
+    _check(2 <= x1.dim() <= 6 and 2 <= x2.dim() <= 6, "x1 / x2: 2 to 6 dims")
+    _covers(x1.dim() == 2 and x2.dim() == 2, "batched x1 / x2")
+    m, k = x1.shape
+    _check(x2.shape[0] == k, "x2 is (k, n): pass the [n, k] weight transposed")
+    n = x2.shape[1]
+    _check(x1.numel() > 0 and x2.numel() > 0 and scale.numel() > 0, "x1, x2 and scale must not be empty")
+    _check(k <= 65535 and n <= 65535, "the last dims of x1 and x2 must not exceed 65535")
+    _check(scale.dim() == 1 and scale.shape[0] in (1, n), "scale is 1-D (1,) or (n,)")
+    _covers(scale.dtype in (torch.float32, torch.bfloat16), "an int64 scale (npu_trans_quant_param)")
+    _covers(pertoken is not None, "outputs without pertoken_scale (int8, or an int64 scale)")
+    _covers(a.offset is None and a.y_scale is None and a.group_sizes is None, "offset, y_scale, group_sizes")
+    _covers(all(getattr(a, f) is None for f in ("x1_dtype", "x2_dtype", "pertoken_scale_dtype", "scale_dtype")),
+            "the *_dtype overrides")
+    _check(pertoken.dtype == torch.float32 and pertoken.shape == (m,), "pertoken_scale: fp32 (m,)")
+    _check(a.output_dtype in _QMM_BIAS, "with pertoken_scale the output is bf16 or fp16")
+    _check(a.output_dtype == torch.bfloat16 or scale.dtype == torch.float32, "fp16 output takes an fp32 scale")
+    if bias is not None:
+        _check(bias.shape in ((n,), (1, n)), "bias (n,) or (1, n) for a 2-D output")
+        _covers(bias.dtype != torch.int32, "an int32 bias (added to the int32 sums)")
+        _check(bias.dtype in _QMM_BIAS[a.output_dtype], f"bias dtype {bias.dtype} with output {a.output_dtype}")
+        bias = bias.reshape(n)
+    acc = ref.quant.int8_matmul(x1, x2.T)  # y = (x1 @ x2) * scale * pertoken_scale + bias
+    return ref.quant.dequant(acc, scale.float().expand(n), pertoken, bias, a.output_dtype)
+
+
+_grouped_matmul_float = _EMULATED["npu_grouped_matmul"]
+
+
+@emulates("npu_grouped_matmul")
+def _grouped_matmul_quant(a):
+    """npu_grouped_matmul with per-token quantisation (formula 3); everything else goes to _grouped_matmul."""
+    if a.scale is None and a.per_token_scale is None:
+        return _grouped_matmul_float(a)
+    _covers(len(a.x) == 1 and len(a.weight) == 1, "lists of several x / weight tensors")
+    x, weight, group_list = a.x[0], a.weight[0], a.group_list
+    _check(x.dtype == torch.int8 and weight.dtype == torch.int8, "per-token quantisation: int8 x and weight")
+    _check(x.dim() == 2 and weight.dim() == 3 and weight.shape[1] == x.shape[1], "x [M, K], weight [E, K, N]")
+    experts, k, n = weight.shape
+    _check(k < 65536 and n < 65536, "inner dims below InnerLimit 65536")
+    _check(a.split_item in (2, 3) and a.group_type == 0, "one output grouped on M: split_item 2 / 3, group_type 0")
+    _check(isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64 and len(group_list) == experts
+           and experts <= 1024, "group_list: int64 tensor, one entry per expert, at most 1024")
+    _check(a.group_list_type in (0, 1), "group_list_type: 0 cumsum, 1 counts")
+    _check(a.group_list_type == 0 or experts != 1, "counts (group_list_type 1) may not have length 1")
+    counts = group_list if a.group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
+    _check(int(counts.sum()) == x.shape[0] and bool((counts >= 0).all()), "group_list must cover the rows of x")
+    _check(a.scale is not None and a.per_token_scale is not None and len(a.scale) == len(a.per_token_scale) == 1,
+           "per-token quantisation: one scale and one per_token_scale tensor")
+    scale, pertoken = a.scale[0], a.per_token_scale[0]
+    _check(scale.shape == (experts, n), "scale [E, N] for one 3-D weight")
+    _check(pertoken.dtype == torch.float32 and pertoken.shape == (x.shape[0],), "per_token_scale: fp32 [M]")
+    pairs = {torch.bfloat16: torch.bfloat16, torch.float32: torch.float16}  # per-token table: scale -> output
+    _check(pairs.get(scale.dtype) == a.output_dtype, "per-token: scale bf16 -> bf16 output, scale fp32 -> fp16")
+    others = ("bias", "offset", "antiquant_scale", "antiquant_offset", "activation_input", "activation_quant_scale",
+              "activation_quant_offset", "x_dtype", "weight_dtype", "scale_dtype", "per_token_scale_dtype")
+    unused = all(getattr(a, f, None) is None for f in others) and not a.act_type  # (the List overload lacks *_dtype)
+    _covers(unused, "bias, offsets, dtype overrides, activation")
+    return [ref.quant.grouped_w8a8(x, pertoken, weight.transpose(1, 2), scale.float(), counts, a.output_dtype)]

@@ -209,3 +209,63 @@ def swiglu(x, limit=None):
         gate, up = x.chunk(2, dim=-1)
         x = torch.cat((gate.clamp(max=limit), up.clamp(-limit, limit)), dim=-1)
     return torch_npu.npu_swiglu(x, dim=-1)
+
+
+# ---------------------------------------------------------------- quantized (W8A8 / W4A8)
+
+_NPU_QUANT_DTYPES = (torch.float16, torch.bfloat16)  # what npu_dynamic_quant takes and npu_quant_matmul can output
+
+
+def dynamic_quant(x):
+    if x.dtype not in _NPU_QUANT_DTYPES or x.numel() == 0:
+        # npu_dynamic_quant takes fp16 / bf16 only; empty inputs need no kernel. The reference is plain torch ops.
+        return reference.dynamic_quant(x)
+    if x.dim() == 1:  # the op wants more than one dim
+        x_q, scale = torch_npu.npu_dynamic_quant(x[None])
+        return x_q[0], scale[0]
+    # scale = rowMax(|x|) / 127, y = round(x / scale) (2.14 docs); input passed positionally: the schema names it
+    # `input`, which torch_npu's bindings (and schema.bind) read as `self`.
+    return torch_npu.npu_dynamic_quant(x)
+
+
+def quant_linear(x, weight, weight_scale, bias=None):
+    if x.dtype not in _NPU_QUANT_DTYPES or x.numel() == 0:
+        # npu_quant_matmul outputs int8 / fp16 / bf16 / int32 only and takes no empty x1: fp32 or empty x runs the
+        # reference (its int32 sums are exact fp32 sums off CPU).
+        return reference.quant_linear(x, weight, weight_scale, bias)
+    x_q, x_scale = torch_npu.npu_dynamic_quant(x.reshape(-1, x.shape[-1]))  # [M, K] int8, [M] fp32
+    out = torch_npu.npu_quant_matmul(
+        x_q,
+        weight.t(),  # x2 is (k, n): the transposed view of the [N, K] weight, as the docs' bf16 example passes
+        weight_scale.float(),  # (n,) fp32: allowed with pertoken_scale for bf16 and fp16 outputs
+        pertoken_scale=x_scale,  # (m,) fp32
+        bias=None if bias is None else bias.float(),  # fp32 bias: allowed for both output dtypes
+        output_dtype=x.dtype,
+    )
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def grouped_quant_matmul(x, weight, weight_scale, tokens_per_expert, group_size=None):
+    if group_size or x.dtype not in _NPU_QUANT_DTYPES or x.shape[0] == 0:
+        # W4A8 per group: the 2.14 docs give npu_grouped_matmul int4 weights only for weight-only (antiquant)
+        # quantisation, with fp16 / bf16 x and antiquant_scale [g, G, n]; per-token int8 x (per_token_scale) is
+        # documented for int8 weights only, and npu_convert_weight_to_int4pack is documented with
+        # npu_weight_quant_batchmatmul (weight-only) alone. Int8 activations times per-group int4 weights do not
+        # fit the documented op, so the reference runs (plain torch ops: exact fp32 group sums on NPU too).
+        # fp32 x has no per-token output dtype; empty x needs no kernel.
+        return reference.grouped_quant_matmul(x, weight, weight_scale, tokens_per_expert, group_size)
+    x_q, x_scale = torch_npu.npu_dynamic_quant(x)  # [M, K] int8, [M] fp32
+    # The per-token table pairs scale bf16 with bf16 output and scale fp32 with fp16 output: a bf16 model's scales
+    # are rounded to bf16 here (relative 2^-9), as vllm-ascend passes them.
+    scale = weight_scale.to(torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+    return torch_npu.npu_grouped_matmul(
+        [x_q],
+        [weight.transpose(1, 2)],  # [E, K, N] view of [E, N, K]
+        scale=[scale],  # [E, N] for the one 3-D weight (the per-group layout antiquant_scale documents as [g, n])
+        per_token_scale=[x_scale],  # [M] fp32
+        group_list=tokens_per_expert.long().cumsum(0),  # cumsums: counts may not have length 1 (one expert)
+        split_item=2,  # one output tensor [M, N]
+        group_type=0,  # groups split M
+        group_list_type=0,  # cumsum
+        output_dtype=x.dtype,
+    )[0]

@@ -11,6 +11,7 @@ from .hstu import hstu_attention
 from .indexer import lightning_indexer
 from .moe import grouped_matmul, moe_finalize_routing, moe_gating_topk, moe_init_routing, swiglu
 from .norm import add_rms_norm, rms_norm
+from .quant import dynamic_quant, grouped_quant_matmul, quant_linear
 from .rope import rotary_emb
 
 __all__ = [
@@ -30,4 +31,7 @@ __all__ = [
     "grouped_matmul",
     "swiglu",
     "hstu_attention",
+    "dynamic_quant",
+    "quant_linear",
+    "grouped_quant_matmul",
 ]
