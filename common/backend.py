@@ -215,23 +215,11 @@ def gemm_peak_gflops(dtype: torch.dtype, sizes=(512, 1024, 2048), reps: int = 5,
     Several sizes, because without oneDNN bf16 the mid-sized GEMMs a model runs beat a 2048^3 one. A bf16 peak under
     an fp32 run, or bf16 [M, K] @ [K, N] (~1 GFLOP/s in torch's CPU build without oneDNN bf16, against ~30-50 for
     the linear layout), made benches print shares above 100%."""
-    import time
-
-    clock = clock or time.perf_counter
-    best_rate = 0.0
+    rates = []
     for n in sizes:
-        x = torch.randn(n, n, device=device()).to(dtype)
-        w = torch.randn(n, n, device=device()).to(dtype)
-        torch.nn.functional.linear(x, w)  # warm-up (oneDNN primitive creation)
-        best = float("inf")
-        for _ in range(reps):
-            synchronize()
-            start = clock()
-            torch.nn.functional.linear(x, w)
-            synchronize()
-            best = min(best, clock() - start)
-        best_rate = max(best_rate, 2 * n**3 / best / 1e9)
-    return best_rate
+        x, w = (torch.randn(n, n, device=device()).to(dtype) for _ in range(2))
+        rates.append(2 * n**3 / _best_seconds(lambda: torch.nn.functional.linear(x, w), reps, clock) / 1e9)
+    return max(rates)
 
 
 def attention_peak_gflops(dtype: torch.dtype, seqs=(512, 1024), heads: int = 8, head_dim: int = 128, reps: int = 3,
@@ -240,22 +228,28 @@ def attention_peak_gflops(dtype: torch.dtype, seqs=(512, 1024), heads: int = 8, 
     in `dtype` on this device, at the current thread count. A DiT's peak reference is the larger of this and
     gemm_peak_gflops: without oneDNN bf16 the fused attention computes bf16 inputs in fp32 at ~3x the bf16 GEMM rate,
     so a GEMM-only peak would not bound a bf16 forward's achieved rate."""
+    rates = []
+    for n in seqs:
+        q, k, v = (torch.randn(1, heads, n, head_dim, device=device()).to(dtype) for _ in range(3))
+        seconds = _best_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), reps, clock)
+        rates.append(4 * heads * n * n * head_dim / seconds / 1e9)
+    return max(rates)
+
+
+def _best_seconds(fn, reps: int, clock=None) -> float:
+    """The fastest of `reps` timed calls of fn, after one warm-up (oneDNN primitive creation), device synced."""
     import time
 
     clock = clock or time.perf_counter
-    best_rate = 0.0
-    for n in seqs:
-        q, k, v = (torch.randn(1, heads, n, head_dim, device=device()).to(dtype) for _ in range(3))
-        torch.nn.functional.scaled_dot_product_attention(q, k, v)  # warm-up
-        best = float("inf")
-        for _ in range(reps):
-            synchronize()
-            start = clock()
-            torch.nn.functional.scaled_dot_product_attention(q, k, v)
-            synchronize()
-            best = min(best, clock() - start)
-        best_rate = max(best_rate, 4 * heads * n * n * head_dim / best / 1e9)
-    return best_rate
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        synchronize()
+        start = clock()
+        fn()
+        synchronize()
+        best = min(best, clock() - start)
+    return best
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -34,10 +34,9 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         engine = self.engine
         requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]  # checked alike on every rank
-        owners = least_loaded([r.num_prompt_tokens + r.sampling_params.max_tokens for r in requests],
-                              par.group_size(engine.dp_group))
-        mine = {r.request_id: i for i, (r, owner) in enumerate(zip(requests, owners))
-                if owner == par.group_rank(engine.dp_group)}
+        balance = LeastLoaded(par.group_size(engine.dp_group))
+        mine = {r.request_id: i for i, r in enumerate(requests)
+                if balance.assign(r.request_id, request_cost(r)) == par.group_rank(engine.dp_group)}
         for r in requests:
             if r.request_id in mine:
                 engine.add(r)
@@ -57,11 +56,25 @@ class LLM:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
 
 
-def least_loaded(costs: list[int], num_ranks: int) -> list[int]:
-    """For each job in order, the rank with the least cost assigned so far (ties: the lowest rank)."""
-    load, owners = [0] * num_ranks, []
-    for cost in costs:
-        owner = min(range(num_ranks), key=load.__getitem__)
-        load[owner] += cost
-        owners.append(owner)
-    return owners
+class LeastLoaded:
+    """The DP coordinator's rule: each new request goes to the rank with the least outstanding cost (prompt +
+    output tokens; ties: the lowest rank); `done` takes a request's cost back."""
+
+    def __init__(self, num_ranks: int):
+        self.load = [0] * num_ranks
+        self.owners: dict[str, tuple[int, int]] = {}  # request id -> (rank, cost)
+
+    def assign(self, request_id: str, cost: int) -> int:
+        rank = min(range(len(self.load)), key=self.load.__getitem__)
+        self.load[rank] += cost
+        self.owners[request_id] = rank, cost
+        return rank
+
+    def done(self, request_id: str) -> None:
+        if (entry := self.owners.pop(request_id, None)) is not None:
+            self.load[entry[0]] -= entry[1]
+
+
+def request_cost(req) -> int:
+    """What a request weighs for the DP balance: the tokens it can hold at most."""
+    return req.num_prompt_tokens + req.sampling_params.max_tokens

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 
 from common import parallel as par
 from common.engine import LLMEngine, RequestOutput, SamplingParams
+from common.engine.llm import LeastLoaded, request_cost
 from common.engine.request import Request
 
 IDLE_TICK_S = 0.05  # how long an idle engine waits for a command before looking again
@@ -46,7 +47,7 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: BaseException | None = None
         self.parallel = engine.parallel
-        self._dp_load: dict[str, tuple[int, int]] = {}  # rank 0, several DP ranks: request id -> (DP rank, cost)
+        self._balance = LeastLoaded(par.group_size(engine.dp_group))  # rank 0: which DP rank takes each request
 
     def start(self) -> "AsyncLLMEngine":
         self._thread.start()
@@ -131,7 +132,7 @@ class AsyncLLMEngine:
                     else:
                         self.engine.abort(arg)
                         self._streams.pop(arg, None)
-                        self._dp_load.pop(arg, None)
+                        self._balance.done(arg)
                 busy = self.engine.has_unfinished_anywhere()
                 if stopping and not busy and not commands:
                     return
@@ -145,7 +146,7 @@ class AsyncLLMEngine:
                     outputs = [o for part in par.gather_to_rank0(mine) or [] for o in part]
                 for out in outputs:
                     if out.finished:
-                        self._dp_load.pop(out.request_id, None)
+                        self._balance.done(out.request_id)
                     self._deliver(out.request_id, out)
                 errors = self.engine.stats.consecutive_step_errors
                 if errors >= self.max_consecutive_step_errors:
@@ -158,15 +159,10 @@ class AsyncLLMEngine:
 
     def _take_commands(self):
         """Rank 0: the queued commands, adds as (request, the DP rank that takes it)."""
-        dp = par.group_size(self.engine.dp_group)
         while self._commands:
             kind, arg = self._commands.popleft()
             if kind == "add" and self.parallel.world_size > 1:
-                load = [0] * dp
-                for owner, cost in self._dp_load.values():
-                    load[owner] += cost
-                owner = min(range(dp), key=load.__getitem__)
-                self._dp_load[arg.request_id] = owner, arg.num_prompt_tokens + arg.sampling_params.max_tokens
+                owner = self._balance.assign(arg.request_id, request_cost(arg))
                 arg = (arg.request_id, arg.prompt_token_ids, arg.sampling_params, arg.prompt), owner
             elif kind == "add":
                 arg = arg, 0

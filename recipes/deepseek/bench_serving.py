@@ -219,7 +219,7 @@ def offline_baseline(a, prompts) -> dict:
     preset = yaml.safe_load(a.config.read_text()) or {}
     engine = dict(preset.get("engine") or {})
     engine["max_num_seqs"] = min(engine.get("max_num_seqs", a.concurrency), a.concurrency)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[preset.get("dtype", "bf16")]
+    dtype, _ = backend.resolve_dtype(None, preset.get("dtype"))  # as run.sh --serve resolves the preset's
     tok = AutoTokenizer.from_pretrained(a.weights)
     llm = LLM(load_model(a.weights, dtype, backend.device()), tok, **engine)
     if a.chat:

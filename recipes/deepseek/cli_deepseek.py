@@ -8,7 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 import yaml
 from transformers import AutoTokenizer
 
@@ -25,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 TINY = HERE.parents[1] / "weights" / "deepseek-v4-tiny"
 DEFAULT_PRESET = HERE / "configs" / "tiny-cpu.yaml"
 # --dtype / a preset's dtype; auto (also a preset without one): backend.default_dtype(), which follows the device
-DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {backend.AUTO: None, **backend.DTYPES}
 
 
 class ArgumentParser(argparse.ArgumentParser):

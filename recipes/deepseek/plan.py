@@ -319,7 +319,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     name = a.dtype if a.dtype is not None else a.preset.get("dtype", backend.AUTO)
     if name not in DTYPES:
         p.error(f"--config {a.config.name}: dtype {name!r}, expected one of {sorted(DTYPES)}")
-    a.dtype_t = DTYPES[name] or backend.default_dtype()  # auto: this machine's choice (the CPU presets)
+    a.dtype_t, _ = backend.resolve_dtype(name, None)  # auto: this machine's choice (the CPU presets)
     device = a.device or default_device(a.config)
     if a.device_memory_gib is not None:
         base = DEVICES.get(device) if device not in (None, "none") else None
