@@ -65,7 +65,8 @@ def active_bytes_per_token(model) -> int:
     return total
 
 
-GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")  # the weight GEMMs of a CPU decode step
+# the weight GEMMs of a CPU decode step: oneDNN bf16 (packed), plain fp32 / bf16, the int8 one (W8A8, W4A8)
+GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::_int_mm")
 
 
 def gemm_seconds_per_step(llm: LLM, batch: int, vocab: int, steps: int = 8) -> float:

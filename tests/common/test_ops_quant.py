@@ -252,6 +252,21 @@ def test_int8_group_matmul_exact(m, k, n, gs):
         assert torch.equal(got[g].long(), naive_int_matmul(a[:, part], b[:, part]))
 
 
+@pytest.mark.parametrize("m", [1, 3, 40, 70, 0])  # 128 // m groups per GEMM: 128, 42, 3, then unpack (70), none
+def test_int4_group_matmul_is_the_unpacked_group_sums(m):
+    k, n, gs = 256, 24, 16
+    a, w = randint8(m, k), torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    if m:
+        a[0], w[0], w[1] = 127, -8, 7  # extremes, and both signs of each nibble
+    got = Q.int4_group_matmul(a, Q.pack_int4(w), gs)
+    assert got.dtype == torch.int32 and got.shape == (k // gs, m, n)
+    for g in range(k // gs):
+        part = slice(g * gs, (g + 1) * gs)
+        assert torch.equal(got[g].long(), naive_int_matmul(a[:, part], w[:, part]))
+    with pytest.raises(ValueError, match="even group_size"):
+        Q.int4_group_matmul(a, Q.pack_int4(w), 15)
+
+
 # ---------------------------------------------------------------- grouped_quant_matmul
 
 

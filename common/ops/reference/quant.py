@@ -45,6 +45,12 @@ int8 checkpoint tensor is used as loaded, so there is nothing to pack once, no s
 stale. A contiguous [K, N] copy of the weight is slower (M = 1, 16384x1024: 385 vs 74). `_weight_int8pack_mm` is
 weight-only (bf16 activations, not W8A8): faster than W8A8 at M = 1 on the small shapes, 2.8x slower at M = 16
 on 16384x1024 and 3-4x slower at M = 512.
+The table reads weights from cache. In a decode step they come from memory; cycling through 120 distinct 1024 x
+1024 weights (sixth session, same VM, x bf16, us per GEMM kernel alone): M = 1: bf16 packed 44, `_int_mm` 25-29,
+qlinear (prepacked, uint8 x) 38; M = 3: 49 / 59 / 39; M = 16: 75 / 85 / 54. There qlinear, whose prepacking does
+the VNNI reorder and the int8 compensation once, is 1.3-1.6x `_int_mm` from M = 3, and `_int_mm` 1.4x qlinear at
+M = 1. `_int_mm` stays: it wins at batch 1 (every GEMM of the step has M = 1), it needs no packed copy, and at batch
+16 the weight GEMMs are ~11 of ~37 ms a step (bench_quant.py), so qlinear would give at most ~1.1x there.
 Against bf16, W8A8 pays ~10-30 us of quantize / dequantize per call: it loses to the oneDNN-packed bf16 GEMM on
 the small decode shapes, wins on 16384x1024 (M = 1: 124 vs 192) and at prefill (737 vs 990, 11918 vs 16522).
 Without VNNI (ONEDNN_MAX_CPU_ISA=AVX2 or AVX512_CORE: AVX2-only or pre-Cascade-Lake x86) oneDNN's int8 GEMMs
@@ -55,8 +61,10 @@ partial sums of K <= 1024 int8 values are integers below 2^24, exact in fp32. Un
 (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2, where bf16 is not packed either) that W8A8 path costs, for
 the four shapes above: M = 1: 138 / 94 / 80 / 1859 us against bf16 F.linear's 40 / 24 / 21 / 646; M = 16:
 384 / 217 / 204 / 5374 against 599 / 345 / 298 / 10081; M = 512 (1024x1024, 16384x1024): 5163 / 89276 against
-19065 / 306893. W4A8 needs int32 sums per group, which one GEMM over K does not give: it unpacks the expert's
-int4 weight per call and runs `_int_mm` per group (exact fp32 batched sums without it). That costs: 8 experts,
+19065 / 306893. W4A8 needs int32 sums per group, which one GEMM over K does not give: `int4_group_matmul` sums
+the low and high nibbles apart and puts several groups through one `_int_mm` as a block-diagonal activation; at
+prefill sizes it unpacks the expert's int4 weight and runs `_int_mm` per group (exact fp32 batched sums without
+`_int_mm`). Before int4_group_matmul, with the unpack and a GEMM per group at every size: That costs: 8 experts,
 1024x1024, groups of 128, bf16 x: M = 16: W4A8 2271 us, W8A8 287, bf16 grouped_matmul 389; M = 128:
 2761 / 490 / 595 (the unpack is ~170 us per expert and call).
 """
@@ -72,6 +80,7 @@ FLT_MIN = torch.finfo(torch.float32).tiny  # the smallest normal fp32: the scale
 _FP32_EXACT_K = 1024  # K per fp32 chunk: 1024 * 127 * 127 < 2^24, every partial sum exact
 _FP32_EXACT_GROUP = 16384  # int4 x int8 groups: 16384 * 8 * 127 < 2^24
 _FP32_ROWS = 512  # weight rows converted to fp32 at a time (2 MB at K = 1024)
+_BLOCK_ROWS = 128  # int4_group_matmul: rows of a block-diagonal activation, M * groups per GEMM
 
 
 def dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,16 +191,60 @@ def int8_group_matmul(a: torch.Tensor, b: torch.Tensor, group_size: int) -> torc
     return torch.bmm(a3, b3).to(torch.int32)
 
 
+def int4_group_matmul(a: torch.Tensor, packed: torch.Tensor, group_size: int) -> torch.Tensor:
+    """int8_group_matmul of an int4 weight as pack_int4 stores it: a [M, K] int8, packed [N, K/2] -> int32 [G, M, N].
+
+    CPU with `_int_mm`: no interleaved unpack. The low nibbles are the even k's weights, `(p << 4) >> 4` sign-extends
+    them (int8 shifts are arithmetic), the high nibbles `p >> 4` the odd k's: two [N, K/2] int8 tensors, summed
+    against a's even and odd columns. A GEMM of a few rows costs about what one of 100 rows does (the weight is read
+    either way), so `c` groups go through one _int_mm as a block-diagonal activation [c*M, c*gs/2] (row (g, m) holds
+    token m's columns of group g, zeros elsewhere) against the weight's c groups: c = 128 // M. From M = 65 (c = 1:
+    two GEMMs per group) the interleaved unpack and one GEMM per group (int8_group_matmul) are faster and run
+    instead. Measured (2-core AVX512_VNNI VM, 1024 x 1024, groups of 32, per expert and call, noisy): M = 1: 411-580
+    us unpack + a GEMM per group, 154-290 us this; M = 3: 443-562 / 264; M = 16: 493-834 / 433-609."""
+    (m, k), n = a.shape, packed.shape[0]
+    if packed.dtype != torch.int8 or 2 * packed.shape[1] != k or k % group_size or group_size % 2:
+        raise ValueError(f"int4_group_matmul: a [M, K], packed int8 [N, K/2], an even group_size dividing K; got "
+                         f"{tuple(a.shape)}, {packed.dtype} {tuple(packed.shape)}, {group_size}")
+    per_gemm = _BLOCK_ROWS // max(m, 1)  # groups per GEMM
+    if not (a.device.type == "cpu" and cpu_int8_kernel() == "_int_mm" and m and per_gemm > 1):
+        return int8_group_matmul(a, unpack_int4(packed), group_size)
+    groups, half = k // group_size, group_size // 2
+    out = torch.empty(groups, m, n, dtype=torch.int32)
+    for parity, w in enumerate(((packed << 4) >> 4, packed >> 4)):  # [N, K/2]: even k's, odd k's
+        x = a[:, parity::2].contiguous()  # [M, K/2]
+        for g0 in range(0, groups, per_gemm):
+            c = min(per_gemm, groups - g0)
+            cols = slice(g0 * half, (g0 + c) * half)
+            xs = x[:, cols].reshape(m, c, half).transpose(0, 1)  # [c, M, gs/2]
+            if c > 1:
+                block = torch.zeros(c, m, c, half, dtype=torch.int8)
+                block[torch.arange(c), :, torch.arange(c)] = xs  # row (g, m): token m, group g's columns only
+                xs = block
+            acc = torch._int_mm(xs.reshape(c * m, c * half), w[:, cols].T).view(c, m, n)
+            if parity:
+                out[g0:g0 + c] += acc
+            else:
+                out[g0:g0 + c] = acc
+    return out
+
+
 def grouped_w8a8(x_q, x_scale, weight, weight_scale, tokens_per_expert, dtype) -> torch.Tensor:
     """The W8A8 expert matmul on quantized rows: x_q int8 [M, K] sorted by expert, x_scale [M], weight int8
-    [E, N, K], weight_scale [E, N] -> [M, N] in dtype; per expert, exactly quant_linear's arithmetic."""
-    out = torch.empty(x_q.shape[0], weight.shape[1], dtype=dtype, device=x_q.device)
+    [E, N, K], weight_scale [E, N] -> [M, N] in dtype; per expert, exactly quant_linear's arithmetic (the int32
+    sums of all experts into one buffer, then one dequant with each row's expert scales)."""
+    m, n = x_q.shape[0], weight.shape[1]
+    acc = torch.empty(m, n, dtype=torch.int32, device=x_q.device)
     ends = tokens_per_expert.cumsum(0).tolist()
+    fast = x_q.device.type == "cpu" and cpu_int8_kernel() == "_int_mm"
     for e, (start, end) in enumerate(zip([0] + ends, ends)):
         if end > start:
-            acc = int8_matmul(x_q[start:end], weight[e])
-            out[start:end] = dequant(acc, weight_scale[e], x_scale[start:end], None, dtype)
-    return out
+            if fast:
+                torch._int_mm(x_q[start:end], weight[e].T, out=acc[start:end])
+            else:
+                acc[start:end] = int8_matmul(x_q[start:end], weight[e])
+    rows = weight_scale.repeat_interleave(tokens_per_expert.to(weight_scale.device), dim=0)  # [M, N]
+    return dequant(acc, rows, x_scale, None, dtype)
 
 
 def grouped_quant_matmul(
@@ -223,7 +276,7 @@ def grouped_quant_matmul(
     ends = tokens_per_expert.cumsum(0).tolist()
     for i, (start, end) in enumerate(zip([0] + ends, ends)):
         if end > start:
-            acc = int8_group_matmul(x_q[start:end], unpack_int4(weight[i]), group_size)  # [G, m_e, N] int32
+            acc = int4_group_matmul(x_q[start:end], weight[i], group_size)  # [G, m_e, N] int32
             y = (acc.float() * weight_scale[i].float().T[:, None, :]).sum(0)  # [m_e, N] fp32
             out[start:end] = y.mul_(x_scale[start:end, None]).to(x.dtype)
     return out
