@@ -15,6 +15,7 @@ is None and every collective returns its input.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -415,6 +416,53 @@ class Block(nn.Module):
         return hc_post(self.ffn(self.ffn_norm(h), batch.input_ids), x, post, comb)
 
 
+def hc_head(x: torch.Tensor, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """Collapse the n streams into one: x [T, n, D] -> [T, D], weights sigmoid(fn(rms(x)) * scale + base) + eps."""
+    flat = ops.rms_norm(x.flatten(1).float(), None, norm_eps)  # [T, n*D]
+    pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + hc_eps  # [T, n]
+    return (pre.unsqueeze(-1) * x).sum(1).to(x.dtype)  # [T, D]
+
+
+def mtp_args(args: ModelArgs) -> ModelArgs:
+    """The main model's args with the MTP blocks appended as layers L.. L+k-1: sliding-window attention only (as
+    upstream runs them) and score-routed MoE."""
+    k = args.num_nextn_predict_layers
+    return dataclasses.replace(args, num_hidden_layers=args.num_hidden_layers + k,
+                               layer_types=[*args.layer_types, *[SLIDING] * k],
+                               mlp_layer_types=[*args.mlp_layer_types, *["moe"] * k])
+
+
+class MTPBlock(Block):
+    """The publisher's multi-token-prediction layer (`mtp.<i>.*`): a decoder block (its `attn`, `ffn`, norms and
+    mHC under the same names as a layer's) fed h_proj(hnorm(streams)) + e_proj(enorm(embedding of the next
+    token)), where `streams` [T, n, D] are the main model's (or the previous draft's) last residual streams,
+    before their hc_head; its own hc_head and `norm` then give the hidden state for the shared LM head."""
+
+    def __init__(self, args: ModelArgs, index: int, ropes: dict[str, Rope], parallel: par.Parallel):
+        margs = mtp_args(args)
+        super().__init__(margs, args.num_hidden_layers + index, ropes, parallel)
+        n, D = args.hc_mult, args.hidden_size
+        self.e_proj = nn.Linear(D, D, bias=False)
+        self.h_proj = nn.Linear(D, D, bias=False)
+        self.enorm, self.hnorm, self.norm = (RMSNorm(D, args.rms_norm_eps) for _ in range(3))
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * D, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor, embeds: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """streams [T, n, D] (position t's), embeds [T, D] (token t+1's) -> this block's streams [T, n, D]. The
+        embedding at position 0 is zeroed, as upstream does (no token precedes it to predict from)."""
+        embeds = torch.where(batch.positions.unsqueeze(-1) == 0, 0, embeds)
+        x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(embeds)).unsqueeze(1)  # [T, n, D]
+        return super().forward(x, batch)
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """[T, n, D] -> the normed hidden state [T, D] for the shared head."""
+        a = self.args
+        h = hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a.hc_eps, a.rms_norm_eps)
+        return self.norm(h)
+
+
 def check_layout(args: ModelArgs, layout: par.LLMParallelLayout) -> None:
     """ValueError unless the layout splits this model evenly (checked before any rank starts, and by the model)."""
     for size, name, what in ((layout.attn_tp, "attn_tp", {"attention heads": args.num_attention_heads,
@@ -428,7 +476,10 @@ def check_layout(args: ModelArgs, layout: par.LLMParallelLayout) -> None:
 
 
 class DeepseekV4(nn.Module):
-    def __init__(self, args: ModelArgs, parallel: par.Parallel | None = None):
+    """The main model; with `mtp`, also its num_nextn_predict_layers MTP blocks (`self.mtp`, for speculative
+    decoding), which share the embedding and the LM head."""
+
+    def __init__(self, args: ModelArgs, parallel: par.Parallel | None = None, mtp: bool = False):
         super().__init__()
         self.args = args
         self.parallel = parallel = parallel or par.Parallel(par.LLMParallelLayout())
@@ -449,6 +500,8 @@ class DeepseekV4(nn.Module):
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         self.head = nn.Linear(D, args.vocab_size // parallel.size("lmhead_tp"), bias=False)  # this rank's rows
         par.shard(self.head.weight, 0, parallel, "lmhead_tp")
+        k = args.num_nextn_predict_layers if mtp else 0
+        self.mtp = nn.ModuleList(MTPBlock(args, i, ropes, parallel) for i in range(k))
 
     def cache_specs(self, block_size: int) -> list[CacheGroupSpec]:
         """One token-level window group (KV + compressor state) and one compressed group per compress ratio."""
@@ -461,7 +514,7 @@ class DeepseekV4(nn.Module):
 
     def allocate_caches(self, num_blocks: dict[str, int], block_size: int, dtype=None):
         dtype = dtype or self.embed.weight.dtype
-        for layer in self.layers:
+        for layer in [*self.layers, *self.mtp]:
             layer.attn.allocate(num_blocks, block_size, dtype, self.embed.weight.device)
 
     def cache_bytes_per_block(self, block_size: int) -> dict[str, int]:
@@ -469,7 +522,7 @@ class DeepseekV4(nn.Module):
         groups = [g.name for g in self.cache_specs(block_size)]
         self.allocate_caches(dict.fromkeys(groups, 1), block_size)
         sizes = dict.fromkeys(groups, 0)
-        for layer in self.layers:
+        for layer in [*self.layers, *self.mtp]:
             attn = layer.attn
             sizes[WINDOW] += attn.kv_cache.nbytes
             for c in (attn.compressor, attn.indexer and attn.indexer.compressor):
@@ -480,14 +533,22 @@ class DeepseekV4(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> final hidden states [T, D] (feed the rows you need to `compute_logits`)."""
-        a = self.args
-        x = par.vocab_parallel_embedding(batch.input_ids, self.embed, self.vocab_start, self.embed_group)  # [T, D]
-        x = x.unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()  # [T, n, D]
+        return self.final_hidden(self.residual_streams(batch))
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return par.vocab_parallel_embedding(input_ids, self.embed, self.vocab_start, self.embed_group)  # [T, D]
+
+    def residual_streams(self, batch: ForwardBatch) -> torch.Tensor:
+        """The last layer's n residual streams [T, n, D], before hc_head (what the MTP blocks read)."""
+        x = self.embed_tokens(batch.input_ids).unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         for layer in self.layers:
-            x = layer(x, batch)
-        flat = ops.rms_norm(x.flatten(1).float(), None, a.rms_norm_eps)  # [T, n*D]
-        pre = torch.sigmoid(F.linear(flat, self.hc_head_fn) * self.hc_head_scale + self.hc_head_base) + a.hc_eps
-        h = (pre.unsqueeze(-1) * x).sum(1).to(x.dtype)  # [T, D]
+            x = layer(x, batch)  # [T, n, D]
+        return x
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """[T, n, D] -> the normed hidden state [T, D] for the LM head."""
+        a = self.args
+        h = hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a.hc_eps, a.rms_norm_eps)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

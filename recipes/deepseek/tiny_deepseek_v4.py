@@ -56,7 +56,7 @@ _FP32 = re.compile(r"(hc_|\.ape$|attn_sink$|norm\.weight$|^norm|gate\.bias$)")  
 def random_state(args: ModelArgs, seed: int, head_scale: float = 8.0) -> dict[str, torch.Tensor]:
     """Publisher-named fp32 tensors; lm head scaled up so greedy choices are clear (not near-ties)."""
     g = torch.Generator().manual_seed(seed)
-    model = DeepseekV4(args)
+    model = DeepseekV4(args, mtp=True)  # with num_nextn_predict_layers MTP blocks (`mtp.<i>.*`), none for 0
     out = {}
     for name, t in model.state_dict().items():
         if name.endswith("tid2eid"):  # each token -> k distinct experts

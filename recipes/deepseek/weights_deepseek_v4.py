@@ -10,11 +10,11 @@ import re
 
 import torch
 
-from common.loader import Checkpoint, load_weights
+from common.loader import Checkpoint, CheckpointError, load_weights
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import DeepseekV4
 
-IGNORE = (r"^(model\.)?mtp\.",)  # the MTP layer loads with the speculative decoder, not here
+MTP = r"^(model\.)?mtp\."  # the MTP blocks: loaded with load_model(mtp=True), for speculative decoding
 
 # transformers name (without "model.") -> publisher name; applied in order, each at most once
 _FROM_TRANSFORMERS = [
@@ -47,8 +47,8 @@ _FROM_TRANSFORMERS = [
     (r"\.experts\.gate_up_proj(_scale)?$", r".experts.w13\1"),
     (r"\.experts\.down_proj(_scale)?$", r".experts.w2\1"),
 ]
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight(_scale)?$")
-_SHARED = re.compile(r"^(layers\.\d+\.ffn\.shared_experts)\.(w[13])\.weight(_scale)?$")
+_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight(_scale)?$")
+_SHARED = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.shared_experts)\.(w[13])\.weight(_scale)?$")
 
 
 STACKED = (".experts.w13", ".experts.w2", ".experts.w13_scale", ".experts.w2_scale")
@@ -105,19 +105,23 @@ def torch_default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None) -> DeepseekV4:
+def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None, mtp: bool = False) -> DeepseekV4:
     """Build DeepseekV4 from a checkpoint folder (either layout, FP8 / MXFP4 dequantized on load). With a
-    common.parallel.Parallel, this rank's slice of the model, reading only the parts of the tensors it holds."""
+    common.parallel.Parallel, this rank's slice of the model, reading only the parts of the tensors it holds.
+    mtp: also its MTP blocks (`mtp.<i>.*`, num_nextn_predict_layers of them; CheckpointError if the checkpoint
+    has none); without it the `mtp.*` tensors are not read."""
     ckpt = Checkpoint(path)
     args = ModelArgs.from_config(ckpt.config)
+    if mtp and not args.num_nextn_predict_layers:
+        raise CheckpointError(f"{path}: num_nextn_predict_layers is 0 in config.json: the checkpoint has no MTP layer")
     with torch_default_dtype(dtype), torch.device(device):
-        model = DeepseekV4(args, parallel)
+        model = DeepseekV4(args, parallel, mtp=mtp)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if name.endswith(PACKED):
             tensor.weight_loader = _packed_loader
     layout = any(n.startswith("model.") for n in ckpt.names())
     moe = model.layers[0].ffn
     experts = (moe.ep_rank, moe.ep_size, moe.experts.w13.shape[0])
-    load_weights(model, ckpt, lambda n: rename(n, layout, experts), dtype=dtype, ignore=IGNORE)
+    load_weights(model, ckpt, lambda n: rename(n, layout, experts), dtype=dtype, ignore=() if mtp else (MTP,))
     model.checkpoint_reads = dict(ckpt.reads)  # what this rank read of the checkpoint: {stored name: bytes}
     return model.eval()
