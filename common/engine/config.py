@@ -19,6 +19,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 256 * 2**20
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    num_speculative_tokens: int = 0  # MTP drafts per decode step (the model's `mtp` blocks); 0: off
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
@@ -28,6 +29,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {self.num_blocks!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
+        if not _is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 7:
+            raise ValueError(f"num_speculative_tokens must be an int in [0, 7], got {self.num_speculative_tokens!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -31,6 +31,7 @@ from .request import Request
 from .sampler import Sampler, TokenLogprobs, make_generator, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode import MTPProposer
 
 logger = logging.getLogger(__name__)
 RECENT_STEPS = 1024  # EngineStats.recent_step_tokens keeps this many
@@ -60,6 +61,19 @@ class EngineStats:
     steps: int = 0
     step_errors: int = 0  # steps whose forward or sampling raised
     consecutive_step_errors: int = 0  # since the last step that succeeded
+    num_draft_tokens: int = 0  # MTP drafts verified (speculative decoding)
+    num_accepted_tokens: int = 0  # of them, accepted
+    num_verify_steps: int = 0  # request-steps that verified drafts
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per verifying request-step: accepted drafts + 1."""
+        return 1 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
+
     recent_step_tokens: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=RECENT_STEPS))  # tokens of the last steps
 
@@ -78,7 +92,12 @@ class LLMEngine:
                            config.max_model_len)
             config = dataclasses.replace(config, max_model_len=capacity)
         self.config = config  # final: the cache is sized from these numbers and they never change
-        self.runner = ModelRunner(model, config, num_blocks)
+        self.proposer = None
+        if config.num_speculative_tokens:
+            if (getattr(model, "parallel", None) or par.Parallel(par.LLMParallelLayout())).world_size > 1:
+                raise ValueError("speculative decoding runs in one process for now (not over several ranks)")
+            self.proposer = MTPProposer(model, config.num_speculative_tokens, config.block_size, config.max_model_len)
+        self.runner = ModelRunner(model, config, num_blocks, keep_streams=self.proposer is not None)
         self.kv_cache = KVCacheManager(self.runner.specs, self.runner.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
         self.parallel = getattr(model, "parallel", None) or par.Parallel(par.LLMParallelLayout())
@@ -141,37 +160,74 @@ class LLMEngine:
                 self.runner.execute_idle()  # the other DP ranks' step: meet their collectives
             return []
         try:
-            sampled, prompt_logprobs = self._forward(plan)
+            sampled, prompt_logprobs, result, tables = self._forward(plan)
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             return self._fail_step(plan, e)
         self.stats.consecutive_step_errors = 0
-        decodes = sum(1 for s in plan.scheduled if s.num_new_tokens == 1 and s.request.output_token_ids)
-        self.scheduler.update_from_output(plan)
-        outputs = []
+        decodes = sum(s.num_new_tokens for s in plan.scheduled
+                      if s.num_new_tokens - len(s.draft_token_ids) == 1 and s.request.output_token_ids)
         sampling = [s for s in plan.scheduled if s.sample]
+        committed = self._accept(sampling, sampled)
+        self.scheduler.update_from_output(plan)  # the accepted drafts are in the sequences: their blocks register
+        outputs = []
         for s, lps in zip(plan.scheduled, prompt_logprobs):
             if lps is not None:
                 s.request.prompt_logprobs += lps
             if s.end == s.request.num_tokens and not s.sample:  # max_tokens 0: the prompt was all there was to do
                 self.scheduler.finish(s.request, "length")
                 outputs.append(self._output(s.request))
-        for i, s in enumerate(sampling):
+        num_generated = 0
+        for s, (tokens, logprobs) in zip(sampling, committed):
             req = s.request
-            req.output_token_ids.append(sampled.token_ids[i])
-            if sampled.logprobs is not None and sampled.logprobs[i] is not None:
-                req.output_logprobs.append(sampled.logprobs[i])
-            self._check_stop(req)
+            del req.output_token_ids[len(req.output_token_ids) - s.num_accepted:]  # appended again, stop-checked
+            for token, lp in zip(tokens, logprobs):
+                req.output_token_ids.append(token)
+                if lp is not None:
+                    req.output_logprobs.append(lp)
+                num_generated += 1
+                self._check_stop(req)
+                if req.finished:  # committed tokens after a stop are dropped
+                    break
             outputs.append(self._output(req))
-        self._account(plan.num_tokens, plan.num_tokens - decodes, len(sampling), time.perf_counter() - t0)
+        if self.proposer is not None:
+            try:
+                drafts = self.proposer.propose(plan.scheduled, result.streams, result.offsets, tables)
+            except Exception as e:  # noqa: BLE001 - as a failed forward
+                return self._fail_step(plan, e)
+            for s in plan.scheduled:
+                s.request.spec_token_ids = drafts.get(s.request.request_id, [])
+        self._account(plan.num_tokens, plan.num_tokens - decodes, num_generated, time.perf_counter() - t0)
         return outputs
+
+    def _accept(self, sampling, sampled) -> list[tuple[list[int], list]]:
+        """Per sampling request, the tokens its rows commit (with their logprobs or None): the target tokens of
+        the accepted drafts, then one more. The accepted drafts are appended to the sequence (the scheduler
+        registers blocks over them); the engine appends every committed token again, one by one, stop-checked."""
+        out, row = [], 0
+        for s in sampling:
+            n = len(s.draft_token_ids) + 1
+            tokens = sampled.token_ids[row: row + n]
+            lps = sampled.logprobs[row: row + n] if sampled.logprobs is not None else [None] * n
+            a = 0
+            while a < n - 1 and tokens[a] == s.draft_token_ids[a]:
+                a += 1
+            s.num_accepted = a
+            s.request.output_token_ids += tokens[:a]
+            if s.draft_token_ids:
+                self.stats.num_draft_tokens += len(s.draft_token_ids)
+                self.stats.num_accepted_tokens += a
+                self.stats.num_verify_steps += 1
+            out.append((tokens[: a + 1], lps[: a + 1]))
+            row += n
+        return out
 
     def _forward(self, plan: SchedulerOutput):
         """Run the model and the sampler for a step: (sampler output, per scheduled request its new prompt
         log-probs or None)."""
         tables = [self.kv_cache.block_table(s.request.request_id) for s in plan.scheduled]
         result = self.runner.execute(plan.scheduled, tables)
-        sampling = [s.request for s in plan.scheduled if s.sample]
-        sampled = self.sampler(result.logits, [r.sampling_params for r in sampling], [r.generator for r in sampling])
+        rows = [s.request for s in plan.scheduled if s.sample for _ in range(len(s.draft_token_ids) + 1)]
+        sampled = self.sampler(result.logits, [r.sampling_params for r in rows], [r.generator for r in rows])
         prompt_logprobs = []
         for s, logits in zip(plan.scheduled, result.prompt_logits):
             if logits is None:
@@ -182,7 +238,7 @@ class LLMEngine:
                                     device=logits.device)
             prompt_logprobs.append(token_logprobs(logits, next_ids, [s.request.sampling_params.prompt_logprobs]
                                                   * len(positions)))
-        return sampled, prompt_logprobs
+        return sampled, prompt_logprobs, result, tables
 
     def _fail_step(self, plan: SchedulerOutput, e: Exception) -> list[RequestOutput]:
         """Finish every request of a failed step with finish_reason "error"; their blocks go back to the pool.

@@ -14,8 +14,11 @@ from .scheduler import ScheduledRequest
 
 @dataclass
 class ModelRunnerOutput:
-    logits: torch.Tensor  # [N, V] fp32: the last row of each of the N scheduled requests that sample, in order
+    logits: torch.Tensor  # [N, V] fp32: per scheduled request that samples, in order, its last row and before it
+    #   one row per draft verified (len(draft_token_ids) + 1 rows, positions in order)
     prompt_logits: list[torch.Tensor | None]  # per scheduled request: [len(prompt_logprob_positions), V] or None
+    streams: torch.Tensor | None = None  # [T, n, D] residual streams, kept for the MTP drafts (speculative only)
+    offsets: list[int] | None = None  # per scheduled request: its first row in streams
 
 
 def blocks_that_fit(model, config: EngineConfig) -> dict[str, int]:
@@ -30,7 +33,8 @@ def blocks_that_fit(model, config: EngineConfig) -> dict[str, int]:
     full_len = -(-config.max_model_len // bs)
     # a decoding request holds the blocks its window spans; the step's prefill chunks come on top (past that bound,
     # rare, the scheduler preempts as for any group)
-    windowed = {s.name: config.max_num_seqs * min(full_len, -(-(s.sliding_window - 1) // bs) + 1)
+    ahead = 2 * config.num_speculative_tokens  # drafts verified + the next drafts' lookahead, past the window
+    windowed = {s.name: config.max_num_seqs * min(full_len, -(-(s.sliding_window - 1 + ahead) // bs) + 1)
                 + -(-config.max_num_batched_tokens // bs) + 1 for s in specs if s.sliding_window is not None}
     full = [s.name for s in specs if s.sliding_window is None]
     cap = config.max_num_seqs * full_len + 1
@@ -47,8 +51,8 @@ class ModelRunner:
     allocate_caches(num_blocks: {group: n}, block_size), forward(ForwardBatch) -> hidden [T, D] and
     compute_logits(hidden [N, D]) -> [N, V]."""
 
-    def __init__(self, model, config: EngineConfig, num_blocks: dict[str, int]):
-        self.model, self.config = model, config
+    def __init__(self, model, config: EngineConfig, num_blocks: dict[str, int], keep_streams: bool = False):
+        self.model, self.config, self.keep_streams = model, config, keep_streams
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
             backend.keep_freed_host_memory()
@@ -66,12 +70,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[dict[str, list[int]]]) -> ModelRunnerOutput:
         """Forward the scheduled tokens; logits for the rows that sample and for the prompt positions scored."""
-        new_tokens = [s.request.all_token_ids[s.start : s.end] for s in scheduled]
+        new_tokens = [s.request.all_token_ids[s.start : s.end - len(s.draft_token_ids)] + s.draft_token_ids
+                      for s in scheduled]
         batch = ForwardBatch.build(new_tokens, [s.start for s in scheduled], block_tables, self.config.block_size,
                                    self.device)
-        hidden = self.model(batch)  # [T, D]
+        streams = None
+        if self.keep_streams:  # the model's two halves, the residual streams kept for the MTP drafts
+            streams = self.model.residual_streams(batch)  # [T, n, D]
+            hidden = self.model.final_hidden(streams)  # [T, D]
+        else:
+            hidden = self.model(batch)  # [T, D]
         ends = batch.cu_seqlens_q[1:].tolist()
-        rows = [end - 1 for s, end in zip(scheduled, ends) if s.sample]
+        rows = [r for s, end in zip(scheduled, ends) if s.sample for r in range(end - 1 - len(s.draft_token_ids), end)]
         counts = [len(s.prompt_logprob_positions) for s in scheduled]
         for s, end, n in zip(scheduled, ends, counts):  # rows of positions p: the chunk's row p - start
             first = end - s.num_new_tokens + s.prompt_logprob_positions.start - s.start
@@ -81,4 +91,5 @@ class ModelRunner:
         logits = logits.float()  # [N + sum(counts), V]
         num_sampled = len(rows) - sum(counts)
         parts = logits[num_sampled:].split(counts)
-        return ModelRunnerOutput(logits[:num_sampled], [p if n else None for p, n in zip(parts, counts)])
+        return ModelRunnerOutput(logits[:num_sampled], [p if n else None for p, n in zip(parts, counts)], streams,
+                                 [end - s.num_new_tokens for s, end in zip(scheduled, ends)])

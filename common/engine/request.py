@@ -34,6 +34,7 @@ class Request:
     text: str = ""  # the output's text, cut at a stop string
     generator: torch.Generator | None = None
     detokenizer: object | None = field(default=None, repr=False)  # the engine's IncrementalDetokenizer
+    spec_token_ids: list[int] = field(default_factory=list)  # MTP drafts of the tokens after the last one
 
     def __post_init__(self):
         self.generator = make_generator(self.sampling_params.seed)

@@ -21,16 +21,25 @@ from .request import Request, RequestStatus
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """One request's part of a step: tokens [start, start + num_new_tokens) of its sequence."""
+    """One request's part of a step: tokens [start, start + num_new_tokens) of its sequence, the last
+    len(draft_token_ids) of them the MTP drafts being verified (not yet part of the sequence)."""
     request: Request
     start: int  # its num_computed_tokens when scheduled
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included: what the step's budget counts
     sample: bool  # a next token is sampled from this step's last row (the one place this rule lives)
     prompt_logprob_positions: range  # positions p whose logits score prompt token p + 1 (prompt_logprobs)
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_accepted: int = 0  # drafts accepted, set by the engine after sampling
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
+
+    @property
+    def num_computed_after(self) -> int:
+        """Tokens in the cache once the step is done: the sequence's own new tokens and the accepted drafts (the
+        KV of rejected drafts is left where it is; every later query of those positions rewrites it first)."""
+        return self.end - len(self.draft_token_ids) + self.num_accepted
 
 
 @dataclass
@@ -42,14 +51,21 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-def schedule_entry(req: Request, num_new: int) -> ScheduledRequest:
+def schedule_entry(req: Request, num_new: int, drafts: list[int] = ()) -> ScheduledRequest:
     start = req.num_computed_tokens
     end = start + num_new
     sample = end == req.num_tokens and req.sampling_params.max_tokens > 0
     positions = range(0)
     if req.sampling_params.prompt_logprobs is not None:  # scored once: a recompute skips what is already scored
         positions = range(max(start, len(req.prompt_logprobs)), min(end, req.num_prompt_tokens - 1))
-    return ScheduledRequest(req, start, num_new, sample, positions)
+    return ScheduledRequest(req, start, num_new + len(drafts), sample, positions, list(drafts))
+
+
+def drafts_to_verify(req: Request, budget: int, max_model_len: int) -> list[int]:
+    """The request's MTP drafts that this decode step verifies: within the step's token budget (after its own
+    token), the tokens it may still generate and the model length."""
+    left = req.sampling_params.max_tokens - len(req.output_token_ids) - 1  # the step commits drafts + one
+    return req.spec_token_ids[: max(0, min(budget - 1, left, max_model_len - req.num_tokens - 1))]
 
 
 class Scheduler:
@@ -75,14 +91,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv_cache.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, num_new):
+            decode = req.num_computed_tokens == req.num_tokens - 1
+            drafts = drafts_to_verify(req, budget, self.config.max_model_len) if decode else []
+            slots = self._slots(req, req.num_computed_tokens, num_new, drafts)
+            while not self.kv_cache.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, slots):
                 victim = self.running.pop()
                 self._preempt(victim)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(schedule_entry(req, num_new))
-                budget -= num_new
+                out.scheduled.append(schedule_entry(req, num_new, drafts))
+                budget -= num_new + len(drafts)
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -92,7 +111,8 @@ class Scheduler:
             num_new = min(req.num_tokens - cached, budget)
             if num_new < req.num_tokens - cached and not self.config.enable_chunked_prefill:
                 break
-            if not self.kv_cache.allocate(req.request_id, req.all_token_ids, cached, num_new, cached):
+            if not self.kv_cache.allocate(req.request_id, req.all_token_ids, cached, self._slots(req, cached, num_new),
+                                          cached):
                 break
             self.waiting.popleft()
             if req.num_preemptions == 0:
@@ -103,17 +123,26 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _slots(self, req: Request, start: int, num_new: int, drafts: list[int] = ()) -> int:
+        """Cache positions a step of `num_new` tokens (+ drafts) from `start` on needs. A step that
+        samples a greedy request under speculative decoding also proposes its next drafts: the MTP chain writes
+        its KV at num_speculative_tokens - 1 positions past the committed tokens (lookahead)."""
+        k = self.config.num_speculative_tokens
+        samples = start + num_new == req.num_tokens
+        lookahead = k - 1 if k and samples and req.sampling_params.greedy else 0
+        return min(num_new + len(drafts) + lookahead, self.config.max_model_len - start)
+
     def update_from_output(self, output: SchedulerOutput) -> None:
         """The step's forward ran: its tokens are in the cache; register the blocks that became full."""
         for s in output.scheduled:
             req = s.request
-            req.num_computed_tokens = s.end
+            req.num_computed_tokens = s.num_computed_after
             if not req.finished:
                 self.kv_cache.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache.free(req.request_id)
-        req.num_computed_tokens, req.status = 0, RequestStatus.WAITING
+        req.num_computed_tokens, req.status, req.spec_token_ids = 0, RequestStatus.WAITING, []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -26,6 +26,13 @@ class ServerMetrics:
         Gauge("kv_cache_usage", "Fraction of KV cache blocks held by requests",
               registry=self.registry).set_function(engine.kv_cache.usage)
         self.registry.register(_EngineErrors(engine))
+        stats = engine.stats
+        if engine.config.num_speculative_tokens:  # vLLM's names
+            Gauge("spec_decode_draft_acceptance_rate", "Accepted / verified MTP drafts",
+                  registry=self.registry).set_function(lambda: stats.acceptance_rate)
+            Gauge("spec_decode_mean_accepted_length", "Tokens committed per verifying request step",
+                  registry=self.registry).set_function(lambda: stats.mean_accepted_length)
+            self.registry.register(_SpecCounts(engine))
 
     def count(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
@@ -44,3 +51,16 @@ class _EngineErrors:
     def collect(self):
         yield CounterMetricFamily("engine_step_errors", "Engine steps that failed (their requests got an error)",
                                   value=self.engine.stats.step_errors)
+
+
+class _SpecCounts:
+    """spec_decode_num_draft_tokens_total / spec_decode_num_accepted_tokens_total, from the engine's counts."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats
+        yield CounterMetricFamily("spec_decode_num_draft_tokens", "MTP drafts verified", value=stats.num_draft_tokens)
+        yield CounterMetricFamily("spec_decode_num_accepted_tokens", "MTP drafts accepted",
+                                  value=stats.num_accepted_tokens)

@@ -35,6 +35,7 @@ BENCH_CONFIG = dict(  # ~200M parameters, ~75M active per token
     mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 5, sliding_window=128, o_groups=4, o_lora_rank=256,
     index_n_heads=16, index_head_dim=64, index_topk=512, max_position_embeddings=4096,
     rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    num_nextn_predict_layers=0,  # no MTP layer (the tiny writer's default has one)
 )
 
 

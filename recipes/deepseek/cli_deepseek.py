@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -36,6 +37,8 @@ def add_model_args(p: ArgumentParser) -> None:
     p.add_argument("--weights", type=Path, help="checkpoint folder (default: the tiny random checkpoint)")
     p.add_argument("--config", type=Path, default=DEFAULT_PRESET, help="deployment preset")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="overrides the preset's dtype")
+    p.add_argument("--speculative-tokens", type=int, metavar="K", help="MTP speculative decoding with K drafts a "
+                   "step (overrides the preset's speculative.num_speculative_tokens; 0: off)")
 
 
 def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
@@ -49,10 +52,16 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--config {a.config.name}: dtype {preset_dtype!r}, expected one of {sorted(DTYPES)}")
     source = f"configs/{a.config.name}" if a.config.resolve().parent == HERE / "configs" else str(a.config)
     a.dtype, line = backend.resolve_dtype(a.dtype, preset_dtype, source)
+    a.speculative_tokens = speculative_tokens(p, a)
+    if "num_speculative_tokens" in (a.preset.get("engine") or {}):
+        p.error(f"--config {a.config.name}: set speculative decoding as speculative: {{method: mtp, "
+                "num_speculative_tokens: K}, not in engine")
     try:
         EngineConfig.from_kwargs(**(a.preset.get("engine") or {}))  # checked before any rank starts
     except (ValueError, TypeError) as e:
         p.error(f"--config {a.config.name}: {e}")
+    if a.speculative_tokens and a.layout.world_size > 1:
+        p.error("speculative decoding runs in one process for now: use a one-rank preset")
     if a.layout.world_size > 1 and "WORLD_SIZE" not in os.environ:
         if a.weights is None and not (TINY / "config.json").exists():
             write_tiny_checkpoint(TINY)  # once, before the ranks start
@@ -66,6 +75,17 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     if a.layout.world_size > 1 and int(os.environ["WORLD_SIZE"]) != a.layout.world_size:
         p.error(f"--config {a.config.name} is for {a.layout.world_size} ranks, but torchrun started "
                 f"{os.environ['WORLD_SIZE']}")
+
+
+def speculative_tokens(p: ArgumentParser, a: argparse.Namespace) -> int:
+    """--speculative-tokens, else the preset's `speculative: {method: mtp, num_speculative_tokens: K}`, else 0."""
+    spec = a.preset.get("speculative") or {}
+    if not isinstance(spec, dict) or spec.get("method", "mtp") != "mtp" or set(spec) - {"method", "num_speculative_tokens"}:
+        p.error(f"--config {a.config.name}: speculative must be {{method: mtp, num_speculative_tokens: K}}, got {spec!r}")
+    k = a.speculative_tokens if a.speculative_tokens is not None else spec.get("num_speculative_tokens", 0)
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 7:
+        p.error(f"speculative tokens must be an int in [0, 7], got {k!r}")
+    return k
 
 
 def read_preset(p: ArgumentParser, a: argparse.Namespace) -> None:
@@ -150,14 +170,17 @@ def load(a: argparse.Namespace):
     the ranks of a multi-rank preset (this rank's slice of the model). Exits with a one-line message and code 2
     for a missing / corrupt checkpoint or a bad preset."""
     path = a.weights or TINY
-    if a.weights is None and not (TINY / "config.json").exists():
+    stale = a.speculative_tokens and (TINY / "config.json").exists() \
+        and not Checkpoint(TINY).config.get("num_nextn_predict_layers")  # written before the tiny MTP layer
+    if a.weights is None and (stale or not (TINY / "config.json").exists()):
         write_tiny_checkpoint(TINY)
     try:
         config, rest = EngineConfig.from_kwargs(**(a.preset.get("engine") or {}))
         if rest:
             raise ValueError(f"unknown engine settings in {a.config.name}: {sorted(rest)}")
+        config = dataclasses.replace(config, num_speculative_tokens=a.speculative_tokens)
         parallel = par.init_parallel(a.layout) if a.layout.world_size > 1 else None
-        model = load_model(path, a.dtype, backend.device(), parallel=parallel)
+        model = load_model(path, a.dtype, backend.device(), parallel=parallel, mtp=a.speculative_tokens > 0)
         return model, AutoTokenizer.from_pretrained(path), config
     except (CheckpointError, ValueError, TypeError, OSError) as e:
         fail(e)

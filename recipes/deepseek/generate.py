@@ -1,7 +1,7 @@
 """Offline batch inference with DeepSeek-V4 through the paged-KV, continuously batching engine.
 
     python generate.py [--weights DIR] [--config configs/X.yaml] [--prompts FILE] [--max-tokens N]
-                       [--temperature T] [--top-p P] [--top-k K] [--seed S]
+                       [--temperature T] [--top-p P] [--top-k K] [--seed S] [--speculative-tokens K]
 
 With no --weights, a tiny random checkpoint in the publisher's format is written to weights/deepseek-v4-tiny
 (once) and used. Each prompt line goes through the tokenizer's chat template.
@@ -65,7 +65,9 @@ def main(argv=None) -> int:
           f"generated_tokens={sum(len(o.token_ids) for o in outputs)} "
           f"prefill_tok/s={sum(prefill) / max(max(prefill_time), 1e-9):.1f} "
           f"decode_tok/s={sum(decode) / max(max(decode_time), 1e-9):.1f} "
-          f"peak_memory={max(peak) / 2**20:.0f}MiB ranks={engine.parallel.world_size} device={backend.device_type()}")
+          f"peak_memory={max(peak) / 2**20:.0f}MiB ranks={engine.parallel.world_size} device={backend.device_type()}"
+          + (f" mtp_drafts={s.num_draft_tokens} acceptance={s.acceptance_rate:.2f} "
+             f"mean_accepted_length={s.mean_accepted_length:.2f}" if engine.config.num_speculative_tokens else ""))
     return 0
 
 

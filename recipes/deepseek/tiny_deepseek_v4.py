@@ -43,7 +43,7 @@ TINY_CONFIG = dict(
     layer_types=[SLIDING, CSA, HCA, CSA], compress_rates={CSA: 4, HCA: 8},
     mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
     swiglu_limit=10.0, sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=32,
-    index_topk=4, num_nextn_predict_layers=0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+    index_topk=4, num_nextn_predict_layers=1, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
     tie_word_embeddings=False, torch_dtype="bfloat16",
 )
 # Publisher's quantization: FP8 (128x128 blocks) for attention and shared-expert linears, MXFP4 routed experts;

@@ -19,7 +19,7 @@ def ckpts(tmp_path_factory):
     return {
         "mtp": write_tiny_checkpoint(root / "mtp", seed=3, quantized=False, num_nextn_predict_layers=1),
         "mtp-fp8": write_tiny_checkpoint(root / "mtp-fp8", seed=3, num_nextn_predict_layers=1),
-        "none": write_tiny_checkpoint(root / "none", seed=3, quantized=False),
+        "none": write_tiny_checkpoint(root / "none", seed=3, quantized=False, num_nextn_predict_layers=0),
     }
 
 

@@ -24,6 +24,18 @@ def test_default_run_writes_the_tiny_checkpoint_and_generates():
     assert (RUN_SH.parents[2] / "weights" / "deepseek-v4-tiny" / "config.json").is_file()
 
 
+def test_speculative_tokens_give_the_same_greedy_completions():
+    """fp32: in bf16 a verify forward (1 + K rows a sequence) rounds unlike a one-row decode, so near-ties can
+    pick other tokens, as a chunked prefill against a whole one can."""
+    plain = run("--max-tokens", 6, "--dtype", "fp32")
+    spec = run("--max-tokens", 6, "--dtype", "fp32", "--speculative-tokens", 2)
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    lines = [r.stdout.strip().splitlines() for r in (plain, spec)]
+    assert lines[0][:-1] == lines[1][:-1]  # the completions; then the stats lines
+    stats = dict(kv.split("=") for kv in lines[1][-1].split())
+    assert int(stats["mtp_drafts"]) > 0 and 0 <= float(stats["acceptance"]) <= 1
+
+
 @pytest.mark.parametrize("args, needle", [
     (("--max-tokens", "0"), "max_tokens"),
     (("--weights", "/no/such/dir"), "/no/such/dir"),
@@ -32,6 +44,7 @@ def test_default_run_writes_the_tiny_checkpoint_and_generates():
     (("--temperature", "-1"), "temperature"),
     (("--top-p", "0"), "top_p"),
     (("--config", "configs/atlas-a3-flash.yaml"), "moe_ep=16 does not divide the model's 8 routed experts"),
+    (("--speculative-tokens", "9"), "speculative tokens must be an int in [0, 7]"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, needle):
     r = run(*args)

@@ -1,0 +1,74 @@
+"""MTP speculative decoding: drafts from the model's multi-token-prediction blocks, verified by the main model.
+
+A decode step of a request with drafts d_1..d_k runs its last token and the drafts through the main model in one
+forward (positions t..t+k, causal, as a prefill chunk), and the rows give the target tokens y_0..y_k; drafts are
+accepted while d_{i+1} == y_i, and the accepted ones plus one more target token (y_a) are committed: greedy output
+is exactly what one token per step gives. Rejected drafts leave their KV (window, compressor state, compressed
+entries) in the cache at positions past the committed ones; nothing reads a position before a later step has
+rewritten it (every read is causal, by position; an entry is rewritten whenever its last position is computed
+again), and the prefix cache registers blocks of committed tokens only (`ScheduledRequest.num_computed_after`).
+
+Drafts (this module): after the step, the MTP block runs over every position the step committed, fed the main
+model's residual streams there and the embedding of the token that follows (so its own sliding-window KV covers
+the sequence); its last row proposes d'_1 for the token after the committed ones, and k - 1 more MTP steps, each
+fed the previous MTP streams and draft, chain d'_2..d'_k (their KV at lookahead positions the scheduler
+allocated, rewritten once committed). Drafts are the MTP's argmax: speculation serves greedy requests; sampled
+requests decode one token a step (the speculative-sampling rule is the next step of issue 18). One process only.
+"""
+from __future__ import annotations
+
+import torch
+
+from .forward_batch import ForwardBatch
+from .scheduler import ScheduledRequest
+
+
+class MTPProposer:
+    def __init__(self, model, num_speculative_tokens: int, block_size: int, max_model_len: int):
+        if not len(getattr(model, "mtp", ())):
+            raise ValueError("speculative decoding needs the model's MTP layer (load_model(..., mtp=True) with a "
+                             "checkpoint whose num_nextn_predict_layers >= 1)")
+        self.model, self.k = model, num_speculative_tokens
+        self.block_size, self.max_model_len = block_size, max_model_len
+
+    @torch.inference_mode()
+    def propose(self, scheduled: list[ScheduledRequest], streams: torch.Tensor, offsets: list[int],
+                block_tables: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+        """After a step is committed: request id -> its next drafts, for the greedy requests that sampled.
+        streams [T, n, D]: the step's main-model residual streams; offsets[i]: scheduled[i]'s first row."""
+        model, mtp = self.model, self.model.mtp
+        picked = [i for i, s in enumerate(scheduled) if not s.request.finished and s.request.sampling_params.greedy]
+        if not picked:
+            return {}
+        starts = [scheduled[i].start for i in picked]
+        counts = [scheduled[i].num_computed_after - scheduled[i].start for i in picked]  # committed this step
+        nexts = [scheduled[i].request.all_token_ids[st + 1: st + n + 1] for i, st, n in zip(picked, starts, counts)]
+        tables = [block_tables[i] for i in picked]
+        rows = torch.cat([torch.arange(offsets[i], offsets[i] + n) for i, n in zip(picked, counts)])
+        batch = ForwardBatch.build(nexts, starts, tables, self.block_size, streams.device)
+        x = mtp[0](streams[rows.to(streams.device)], model.embed_tokens(batch.input_ids), batch)  # [T', n, D]
+        drafting = [j for j, i in enumerate(picked) if scheduled[i].sample]
+        if not drafting:  # prefill chunks only: their MTP KV is written, nothing to propose yet
+            return {}
+        last = batch.cu_seqlens_q[1:].long() - 1  # [B']
+        x, positions = x[last[drafting]], [starts[j] + counts[j] for j in drafting]  # streams, next position
+        drafts = {j: [] for j in drafting}
+        token = self._argmax(mtp[0], x)  # [B'']
+        for step in range(self.k):
+            for j, t in zip(drafting, token.tolist()):
+                drafts[j].append(t)
+            live = [n for n, p in enumerate(positions) if p < self.max_model_len]  # where the chain may write
+            if step == self.k - 1 or not live:
+                break
+            block = mtp[(step + 1) % len(mtp)]
+            drafting, x, token = [drafting[n] for n in live], x[live], token[live]
+            positions = [positions[n] for n in live]
+            batch = ForwardBatch.build([[t] for t in token.tolist()], positions, [tables[j] for j in drafting],
+                                       self.block_size, streams.device)
+            x = block(x, model.embed_tokens(batch.input_ids), batch)  # [B'', n, D]
+            token = self._argmax(block, x)
+            positions = [p + 1 for p in positions]
+        return {scheduled[picked[j]].request.request_id: d for j, d in drafts.items()}
+
+    def _argmax(self, block, streams: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(block.final_hidden(streams)).argmax(-1)  # [B]

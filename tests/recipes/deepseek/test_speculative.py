@@ -1,0 +1,126 @@
+"""MTP speculative decoding through the engine: greedy outputs with k drafts a step equal those without, token for
+token and log-prob for log-prob, with chunked prefill, preemption, a prefix-cache hit and the CSA top-k binding
+(index_topk 4 against up to 20 compressed entries); no block leaks.
+
+The tiny random MTP layer almost never predicts the model (acceptance ~0), which checks the rejection path. The
+acceptance path is checked with drafts that are right for a while and then wrong: `Oracle` runs the real MTP
+proposer (its KV writes included) and then replaces its drafts with the plain run's tokens, the last one of every
+third step corrupted, so verification accepts 0..k drafts and rolls the rest back."""
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from common.engine import LLM, SamplingParams
+from common.engine.spec_decode import MTPProposer
+from tiny_deepseek_v4 import write_tiny_checkpoint
+from weights_deepseek_v4 import load_model
+
+NEW = 30
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "ckpt", seed=3, quantized=False,
+                                 num_nextn_predict_layers=1)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 13, 37, 22)]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = load_model(path, torch.float32, mtp=True)
+    plain = LLM(model, tok, block_size=16).generate(prompts, GREEDY, use_tqdm=False)
+    return model, tok, prompts, plain
+
+
+class Oracle(MTPProposer):
+    def __init__(self, base: MTPProposer, reference: dict[tuple[int, ...], list[int]], vocab: int):
+        super().__init__(base.model, base.k, base.block_size, base.max_model_len)
+        self.reference, self.vocab, self.calls = reference, vocab, 0
+
+    def propose(self, scheduled, streams, offsets, block_tables):
+        real = super().propose(scheduled, streams, offsets, block_tables)
+        out = {}
+        for s in scheduled:
+            req = s.request
+            if req.request_id in real:
+                self.calls += 1
+                ref = self.reference[tuple(req.prompt_token_ids)]
+                n = len(req.output_token_ids)
+                drafts = ref[n: n + len(real[req.request_id])]
+                if drafts and self.calls % 3 == 0:
+                    drafts[-1] = (drafts[-1] + 1) % self.vocab
+                out[req.request_id] = drafts
+        return out
+
+
+DRAFTS = pytest.mark.parametrize("k", [1, 3])
+SETTINGS = pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 8}, {"num_blocks": 12}],
+                                   ids=["default", "chunked-prefill", "preemption"])
+
+
+def check_equal(outs, plain):
+    for got, want in zip(outs, plain):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
+@DRAFTS
+@SETTINGS
+def test_greedy_with_mtp_equals_without(setup, k, engine_kwargs):
+    model, tok, prompts, plain = setup
+    llm = LLM(model, tok, block_size=16, num_speculative_tokens=k, **engine_kwargs)
+    check_equal(llm.generate(prompts, GREEDY, use_tqdm=False), plain)
+    engine = llm.engine
+    assert engine.stats.num_draft_tokens > 0 and engine.kv_cache.all_blocks_free()
+    if "num_blocks" in engine_kwargs:
+        assert engine.scheduler.num_preemptions > 0
+
+
+@DRAFTS
+@SETTINGS
+def test_accepted_and_rejected_drafts_commit_exactly_the_plain_tokens(setup, k, engine_kwargs):
+    model, tok, prompts, plain = setup
+    llm = LLM(model, tok, block_size=16, num_speculative_tokens=k, **engine_kwargs)
+    reference = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    llm.engine.proposer = Oracle(llm.engine.proposer, reference, model.args.vocab_size)
+    check_equal(llm.generate(prompts, GREEDY, use_tqdm=False), plain)
+    stats = llm.engine.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both paths taken
+    assert stats.mean_accepted_length > 1.3
+    if not engine_kwargs:  # each verifying step commits up to k + 1 tokens: fewer steps than tokens
+        assert stats.steps < NEW
+    assert llm.engine.kv_cache.all_blocks_free()
+
+
+def test_a_prefix_cache_hit_with_mtp_equals_a_miss(setup):
+    model, tok, prompts, _ = setup
+    shared = prompts[2][:32]
+    first, second = shared + [7, 8, 9], shared + [11, 12]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    cold = LLM(model, tok, block_size=16, enable_prefix_caching=False).generate([second], params, use_tqdm=False)[0]
+    llm = LLM(model, tok, block_size=16, num_speculative_tokens=2)
+    llm.generate([first], params, use_tqdm=False)
+    warm = llm.generate([second], params, use_tqdm=False)[0]
+    assert warm.num_cached_tokens == 32 and warm.token_ids == cold.token_ids
+    assert llm.engine.kv_cache.all_blocks_free()
+
+
+def test_sampled_requests_decode_plainly_beside_speculating_ones(setup):
+    """Drafts serve greedy requests (the speculative-sampling rule is not built yet): a seeded sampled request
+    gets the tokens it gets without speculation, alongside greedy ones that speculate."""
+    model, tok, prompts, plain = setup
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=NEW, ignore_eos=True)
+    want = LLM(model, tok, block_size=16).generate([prompts[1]], sampled, use_tqdm=False)[0]
+    llm = LLM(model, tok, block_size=16, num_speculative_tokens=2)
+    outs = llm.generate([prompts[0], prompts[1]], [GREEDY, sampled], use_tqdm=False)
+    assert outs[1].token_ids == want.token_ids
+    check_equal(outs[:1], plain[:1])
+
+
+def test_speculation_needs_the_mtp_layer(setup, tmp_path):
+    _, tok, _, _ = setup
+    path = write_tiny_checkpoint(tmp_path / "no-mtp", seed=3, quantized=False)
+    with pytest.raises(ValueError, match="MTP layer"):
+        LLM(load_model(path, torch.float32), tok, block_size=16, num_speculative_tokens=1)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(load_model(path, torch.float32), tok, block_size=16, num_speculative_tokens=-1)
