@@ -64,6 +64,7 @@ class EngineStats:
     num_draft_tokens: int = 0  # MTP drafts verified (speculative decoding)
     num_accepted_tokens: int = 0  # of them, accepted
     num_verify_steps: int = 0  # request-steps that verified drafts
+    propose_time: float = 0.0  # seconds in the MTP proposer (part of the step times above)
 
     @property
     def acceptance_rate(self) -> float:
@@ -159,15 +160,17 @@ class LLMEngine:
             if par.group_size(self.dp_group) > 1:
                 self.runner.execute_idle()  # the other DP ranks' step: meet their collectives
             return []
+        sampling = [s for s in plan.scheduled if s.sample]
         try:
-            sampled, prompt_logprobs, result, tables = self._forward(plan)
+            prompt_logprobs, result, tables = self._forward(plan)
+            committed = self._sample(sampling, result.logits)
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             return self._fail_step(plan, e)
         self.stats.consecutive_step_errors = 0
         decodes = sum(s.num_new_tokens for s in plan.scheduled
                       if s.num_new_tokens - len(s.draft_token_ids) == 1 and s.request.output_token_ids)
-        sampling = [s for s in plan.scheduled if s.sample]
-        committed = self._accept(sampling, sampled)
+        for s, (tokens, _) in zip(sampling, committed):  # the accepted drafts join the sequence (appended again,
+            s.request.output_token_ids += tokens[: s.num_accepted]  # stop-checked, below)
         self.scheduler.update_from_output(plan)  # the accepted drafts are in the sequences: their blocks register
         outputs = []
         for s, lps in zip(plan.scheduled, prompt_logprobs):
@@ -190,44 +193,59 @@ class LLMEngine:
                     break
             outputs.append(self._output(req))
         if self.proposer is not None:
+            t1 = time.perf_counter()
             try:
                 drafts = self.proposer.propose(plan.scheduled, result.streams, result.offsets, tables)
             except Exception as e:  # noqa: BLE001 - as a failed forward
                 return self._fail_step(plan, e)
             for s in plan.scheduled:
                 s.request.spec_token_ids = drafts.get(s.request.request_id, [])
+            self.stats.propose_time += time.perf_counter() - t1
         self._account(plan.num_tokens, plan.num_tokens - decodes, num_generated, time.perf_counter() - t0)
         return outputs
 
-    def _accept(self, sampling, sampled) -> list[tuple[list[int], list]]:
-        """Per sampling request, the tokens its rows commit (with their logprobs or None): the target tokens of
-        the accepted drafts, then one more. The accepted drafts are appended to the sequence (the scheduler
-        registers blocks over them); the engine appends every committed token again, one by one, stop-checked."""
-        out, row = [], 0
+    def _sample(self, sampling, logits: torch.Tensor) -> list[tuple[list[int], list]]:
+        """Per sampling request, the tokens its rows commit and their logprobs (or None each); sets num_accepted.
+        Greedy requests and requests without drafts: the sampler over all their rows, drafts accepted while they
+        equal the row's token, then that row's token. Sampled requests with drafts: Sampler.verify (the
+        speculative-sampling rule)."""
+        spans, plain, row = [], [], 0
         for s in sampling:
-            n = len(s.draft_token_ids) + 1
-            tokens = sampled.token_ids[row: row + n]
-            lps = sampled.logprobs[row: row + n] if sampled.logprobs is not None else [None] * n
-            a = 0
-            while a < n - 1 and tokens[a] == s.draft_token_ids[a]:
-                a += 1
+            spans.append(range(row, row + len(s.draft_token_ids) + 1))
+            row = spans[-1].stop
+            if s.request.sampling_params.greedy or not s.draft_token_ids:
+                plain += spans[-1]
+        reqs = {r: s.request for s, span in zip(sampling, spans) for r in span}
+        sampled = self.sampler(logits[plain], [reqs[r].sampling_params for r in plain],
+                               [reqs[r].generator for r in plain]) if plain else None
+        at = {r: j for j, r in enumerate(plain)}
+        out = []
+        for s, span in zip(sampling, spans):
+            req, drafts = s.request, s.draft_token_ids
+            p = req.sampling_params
+            if span.start in at:
+                tokens = [sampled.token_ids[at[r]] for r in span]
+                a = next((i for i, d in enumerate(drafts) if tokens[i] != d), len(drafts))
+                tokens = tokens[: a + 1]
+                lps = [sampled.logprobs[at[r]] if sampled.logprobs is not None else None for r in span][: a + 1]
+            else:
+                tokens = self.sampler.verify(logits[span.start: span.stop], p, req.generator, drafts)
+                a = len(tokens) - 1
+                lps = (token_logprobs(logits[span.start: span.start + a + 1], torch.tensor(tokens, device=logits.device),
+                                      [p.logprobs] * (a + 1)) if p.logprobs is not None else [None] * (a + 1))
             s.num_accepted = a
-            s.request.output_token_ids += tokens[:a]
-            if s.draft_token_ids:
-                self.stats.num_draft_tokens += len(s.draft_token_ids)
+            if drafts:
+                self.stats.num_draft_tokens += len(drafts)
                 self.stats.num_accepted_tokens += a
                 self.stats.num_verify_steps += 1
-            out.append((tokens[: a + 1], lps[: a + 1]))
-            row += n
+            out.append((tokens, lps))
         return out
 
     def _forward(self, plan: SchedulerOutput):
-        """Run the model and the sampler for a step: (sampler output, per scheduled request its new prompt
-        log-probs or None)."""
+        """Run the model for a step: (per scheduled request its new prompt log-probs or None, the runner's output,
+        the block tables it ran with)."""
         tables = [self.kv_cache.block_table(s.request.request_id) for s in plan.scheduled]
         result = self.runner.execute(plan.scheduled, tables)
-        rows = [s.request for s in plan.scheduled if s.sample for _ in range(len(s.draft_token_ids) + 1)]
-        sampled = self.sampler(result.logits, [r.sampling_params for r in rows], [r.generator for r in rows])
         prompt_logprobs = []
         for s, logits in zip(plan.scheduled, result.prompt_logits):
             if logits is None:
@@ -238,7 +256,7 @@ class LLMEngine:
                                     device=logits.device)
             prompt_logprobs.append(token_logprobs(logits, next_ids, [s.request.sampling_params.prompt_logprobs]
                                                   * len(positions)))
-        return sampled, prompt_logprobs, result, tables
+        return prompt_logprobs, result, tables
 
     def _fail_step(self, plan: SchedulerOutput, e: Exception) -> list[RequestOutput]:
         """Finish every request of a failed step with finish_reason "error"; their blocks go back to the pool.

@@ -59,29 +59,63 @@ class Sampler:
         greedy = [p.greedy for p in params]
         if all(greedy):
             return logits.argmax(dim=-1)
-        B, V = logits.shape
-        device = logits.device
-        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
-        scaled = logits / temperature[:, None]  # [B, V]
-        top_k = [V if g or p.top_k < 0 else min(p.top_k, V) for p, g in zip(params, greedy)]
-        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-        if any(k < V for k in top_k) or any(p < 1 for p in top_p):
-            scaled = apply_top_k_top_p(scaled, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
-        probs = scaled.softmax(dim=-1)  # [B, V]
+        probs = target_probs(logits, params)  # [B, V]
         noise = torch.empty_like(probs)  # [B, V] ~ Exponential(1)
         seeded = [i for i, (g, gen) in enumerate(zip(greedy, generators)) if not g and gen is not None]
-        if len(seeded) < B:
+        if len(seeded) < len(params):
             noise.exponential_(generator=self.generator)
         for i in seeded:
             noise[i].exponential_(generator=generators[i])
         sampled = probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)  # [B]
         if not any(greedy):
             return sampled
-        return torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), sampled)
+        return torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), sampled)
+
+    def verify(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+               drafts: list[int]) -> list[int]:
+        """Speculative sampling of one sampled request: logits [k + 1, V] of its verify rows, drafts [k] proposed
+        deterministically (the MTP's argmax: q is one-hot) -> the committed tokens, the accepted drafts then one.
+        Draft i is accepted with probability min(1, p_i(d) / q(d)) = p_i(d), p_i the row's distribution after
+        temperature / top-k / top-p; at the first rejection the token is drawn from the residual norm(max(p_i - q,
+        0)), p_i without d renormalised; all accepted: one more from p_k. Each committed token is then distributed
+        as p (P(d) = p(d), P(x != d) = (1 - p(d)) p(x) / (1 - p(d))): the plain sampler's distribution."""
+        generator = generator if generator is not None else self.generator
+        probs = target_probs(logits.float(), [params] * logits.shape[0])  # [k + 1, V]
+        u = torch.rand(len(drafts), generator=generator, device=logits.device).tolist()
+        out = []
+        for i, d in enumerate(drafts):
+            if u[i] < probs[i, d].item():
+                out.append(d)
+                continue
+            residual = probs[i].clone()
+            residual[d] = 0
+            return out + [_race(residual, generator)]
+        return out + [_race(probs[len(drafts)], generator)]
 
     def logprobs(self, logits, token_ids, params) -> tuple[list[int], list[TokenLogprobs | None]]:
         asked = [p.logprobs for p in params]
         return token_ids.tolist(), token_logprobs(logits, token_ids, asked)
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's sampling distribution [B, V]: softmax(logits / temperature) over its top-k / top-p (greedy rows:
+    temperature 1, no cut; they take the argmax)."""
+    B, V = logits.shape
+    device = logits.device
+    greedy = [p.greedy for p in params]
+    temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
+    scaled = logits / temperature[:, None]  # [B, V]
+    top_k = [V if g or p.top_k < 0 else min(p.top_k, V) for p, g in zip(params, greedy)]
+    top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+    if any(k < V for k in top_k) or any(p < 1 for p in top_p):
+        scaled = apply_top_k_top_p(scaled, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+    return scaled.softmax(dim=-1)
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from probs [V] (unnormalised is fine): the exponential race, as Sampler.sample."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise.clamp_min_(1e-10)).argmax())
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]) -> list[TokenLogprobs | None]:

@@ -125,11 +125,10 @@ class Scheduler:
 
     def _slots(self, req: Request, start: int, num_new: int, drafts: list[int] = ()) -> int:
         """Cache positions a step of `num_new` tokens (+ drafts) from `start` on needs. A step that
-        samples a greedy request under speculative decoding also proposes its next drafts: the MTP chain writes
-        its KV at num_speculative_tokens - 1 positions past the committed tokens (lookahead)."""
+        samples under speculative decoding also proposes the request's next drafts: the MTP chain writes its KV
+        at num_speculative_tokens - 1 positions past the committed tokens (lookahead)."""
         k = self.config.num_speculative_tokens
-        samples = start + num_new == req.num_tokens
-        lookahead = k - 1 if k and samples and req.sampling_params.greedy else 0
+        lookahead = k - 1 if k and start + num_new == req.num_tokens else 0
         return min(num_new + len(drafts) + lookahead, self.config.max_model_len - start)
 
     def update_from_output(self, output: SchedulerOutput) -> None:

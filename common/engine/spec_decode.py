@@ -12,8 +12,9 @@ Drafts (this module): after the step, the MTP block runs over every position the
 model's residual streams there and the embedding of the token that follows (so its own sliding-window KV covers
 the sequence); its last row proposes d'_1 for the token after the committed ones, and k - 1 more MTP steps, each
 fed the previous MTP streams and draft, chain d'_2..d'_k (their KV at lookahead positions the scheduler
-allocated, rewritten once committed). Drafts are the MTP's argmax: speculation serves greedy requests; sampled
-requests decode one token a step (the speculative-sampling rule is the next step of issue 18). One process only.
+allocated, rewritten once committed). Drafts are the MTP's argmax (a one-hot draft distribution): greedy requests
+accept a draft when it is the row's argmax; sampled requests by the speculative-sampling rule (Sampler.verify),
+which keeps every committed token distributed as plain sampling would. One process only.
 """
 from __future__ import annotations
 
@@ -34,10 +35,10 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest], streams: torch.Tensor, offsets: list[int],
                 block_tables: list[dict[str, list[int]]]) -> dict[str, list[int]]:
-        """After a step is committed: request id -> its next drafts, for the greedy requests that sampled.
+        """After a step is committed: request id -> its next drafts, for the requests that sampled.
         streams [T, n, D]: the step's main-model residual streams; offsets[i]: scheduled[i]'s first row."""
         model, mtp = self.model, self.model.mtp
-        picked = [i for i, s in enumerate(scheduled) if not s.request.finished and s.request.sampling_params.greedy]
+        picked = [i for i, s in enumerate(scheduled) if not s.request.finished]
         if not picked:
             return {}
         starts = [scheduled[i].start for i in picked]

@@ -92,3 +92,34 @@ def test_a_w8a8_conversion_quantizes_the_mtp_block_like_a_layer(ckpts, tmp_path)
     block = load_model(tmp_path / "w8a8", torch.float32, mtp=True).mtp[0]
     assert isinstance(block.attn.wq_b, QuantLinear) and block.ffn.experts.w13.dtype == torch.int8
     assert block.e_proj.weight.dtype == torch.float32  # e_proj / h_proj are not in upstream's selection
+
+
+def test_train_mtp_writes_a_checkpoint_the_engine_speculates_with(ckpts, tmp_path):
+    """train_mtp.py on a checkpoint without an MTP layer (a few seconds of training): the output loads with
+    mtp=True, its MTP block is the trained one (not the last layer's copy it starts from), and speculative greedy
+    decoding over it equals plain decoding."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from common.engine import LLM, SamplingParams
+
+    script = Path(__file__).resolve().parents[3] / "recipes" / "deepseek" / "train_mtp.py"
+    out = tmp_path / "with-mtp"
+    r = subprocess.run([sys.executable, str(script), "--weights", str(ckpts["none"]), "--out", str(out),
+                        "--sequences", "8", "--length", "48", "--minutes", "0.05"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads((out / "mtp_training.json").read_text())
+    assert report["steps"] >= 1 and 0 <= report["held_out_acceptance"] <= 1
+    model = load_model(out, torch.float32, mtp=True)
+    last = model.layers[-1].attn.wq_a.weight
+    assert not torch.equal(model.mtp[0].attn.wq_a.weight, last)  # trained from the last layer's copy
+    tok = AutoTokenizer.from_pretrained(out)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model, tok, block_size=16).generate(PROMPTS, params, use_tqdm=False)
+    spec = LLM(model, tok, block_size=16, num_speculative_tokens=2).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]

@@ -105,16 +105,22 @@ def test_a_prefix_cache_hit_with_mtp_equals_a_miss(setup):
     assert llm.engine.kv_cache.all_blocks_free()
 
 
-def test_sampled_requests_decode_plainly_beside_speculating_ones(setup):
-    """Drafts serve greedy requests (the speculative-sampling rule is not built yet): a seeded sampled request
-    gets the tokens it gets without speculation, alongside greedy ones that speculate."""
+def test_sampled_requests_speculate_by_the_sampling_rule_beside_greedy_ones(setup):
+    """Sampled requests verify their drafts by Sampler.verify (its distribution: tests/common/
+    test_speculative_sampling.py): a seeded one is reproducible and stays in its top-k; the greedy companion's
+    tokens are unchanged; drafts of both are verified."""
     model, tok, prompts, plain = setup
-    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=NEW, ignore_eos=True)
-    want = LLM(model, tok, block_size=16).generate([prompts[1]], sampled, use_tqdm=False)[0]
-    llm = LLM(model, tok, block_size=16, num_speculative_tokens=2)
-    outs = llm.generate([prompts[0], prompts[1]], [GREEDY, sampled], use_tqdm=False)
-    assert outs[1].token_ids == want.token_ids
-    check_equal(outs[:1], plain[:1])
+    sampled = SamplingParams(temperature=0.8, top_k=3, seed=5, max_tokens=NEW, ignore_eos=True, logprobs=3)
+    runs = []
+    for _ in range(2):
+        llm = LLM(model, tok, block_size=16, num_speculative_tokens=2)
+        outs = llm.generate([prompts[0], prompts[1]], [GREEDY, sampled], use_tqdm=False)
+        runs.append(outs[1].token_ids)
+        check_equal(outs[:1], plain[:1])
+        assert llm.engine.stats.num_draft_tokens > 2 * NEW and llm.engine.kv_cache.all_blocks_free()
+        for lp in outs[1].logprobs:  # each sampled token is one of its step's 3 most likely
+            assert lp.token_id in [t for t, _ in lp.top]
+    assert runs[0] == runs[1] and len(runs[0]) == NEW
 
 
 def test_speculation_needs_the_mtp_layer(setup, tmp_path):
