@@ -95,9 +95,9 @@ class LLMEngine:
         self.config = config  # final: the cache is sized from these numbers and they never change
         self.proposer = None
         if config.num_speculative_tokens:
-            if (getattr(model, "parallel", None) or par.Parallel(par.LLMParallelLayout())).world_size > 1:
-                raise ValueError("speculative decoding runs in one process for now (not over several ranks)")
-            self.proposer = MTPProposer(model, config.num_speculative_tokens, config.block_size, config.max_model_len)
+            dp = (getattr(model, "parallel", None) or par.Parallel(par.LLMParallelLayout())).group("attn_dp")
+            self.proposer = MTPProposer(model, config.num_speculative_tokens, config.block_size, config.max_model_len,
+                                        lockstep=par.group_size(dp) > 1)
         self.runner = ModelRunner(model, config, num_blocks, keep_streams=self.proposer is not None)
         self.kv_cache = KVCacheManager(self.runner.specs, self.runner.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
@@ -159,6 +159,8 @@ class LLMEngine:
                 raise RuntimeError("the next waiting request cannot be scheduled with an empty batch")
             if par.group_size(self.dp_group) > 1:
                 self.runner.execute_idle()  # the other DP ranks' step: meet their collectives
+                if self.proposer is not None:
+                    self.proposer.propose([], None, [], [])  # and their MTP forwards
             return []
         sampling = [s for s in plan.scheduled if s.sample]
         try:

@@ -14,7 +14,8 @@ the sequence); its last row proposes d'_1 for the token after the committed ones
 fed the previous MTP streams and draft, chain d'_2..d'_k (their KV at lookahead positions the scheduler
 allocated, rewritten once committed). Drafts are the MTP's argmax (a one-hot draft distribution): greedy requests
 accept a draft when it is the row's argmax; sampled requests by the speculative-sampling rule (Sampler.verify),
-which keeps every committed token distributed as plain sampling would. One process only.
+which keeps every committed token distributed as plain sampling would. Over ranks: TP peers draft alike
+(the same logits), data-parallel ranks run the same number of MTP forwards (`lockstep`).
 """
 from __future__ import annotations
 
@@ -25,31 +26,43 @@ from .scheduler import ScheduledRequest
 
 
 class MTPProposer:
-    def __init__(self, model, num_speculative_tokens: int, block_size: int, max_model_len: int):
+    def __init__(self, model, num_speculative_tokens: int, block_size: int, max_model_len: int,
+                 lockstep: bool = False):
+        """lockstep: data-parallel ranks whose MTP forwards meet in collectives (expert dispatch, vocabulary-
+        parallel embedding and head): every call then runs exactly k MTP forwards, empty where a rank has nothing
+        to draft, as an idle rank's main forward does."""
         if not len(getattr(model, "mtp", ())):
             raise ValueError("speculative decoding needs the model's MTP layer (load_model(..., mtp=True) with a "
                              "checkpoint whose num_nextn_predict_layers >= 1)")
-        self.model, self.k = model, num_speculative_tokens
+        self.model, self.k, self.lockstep = model, num_speculative_tokens, lockstep
         self.block_size, self.max_model_len = block_size, max_model_len
+        self.groups = [g.name for g in model.cache_specs(block_size)]
+        self.device = model.embed.weight.device
 
     @torch.inference_mode()
-    def propose(self, scheduled: list[ScheduledRequest], streams: torch.Tensor, offsets: list[int],
+    def propose(self, scheduled: list[ScheduledRequest], streams: torch.Tensor | None, offsets: list[int],
                 block_tables: list[dict[str, list[int]]]) -> dict[str, list[int]]:
         """After a step is committed: request id -> its next drafts, for the requests that sampled.
-        streams [T, n, D]: the step's main-model residual streams; offsets[i]: scheduled[i]'s first row."""
+        streams [T, n, D]: the step's main-model residual streams; offsets[i]: scheduled[i]'s first row.
+        An idle data-parallel rank calls it with nothing (scheduled [], streams None)."""
         model, mtp = self.model, self.model.mtp
         picked = [i for i, s in enumerate(scheduled) if not s.request.finished]
-        if not picked:
+        if not picked and not self.lockstep:
             return {}
         starts = [scheduled[i].start for i in picked]
         counts = [scheduled[i].num_computed_after - scheduled[i].start for i in picked]  # committed this step
         nexts = [scheduled[i].request.all_token_ids[st + 1: st + n + 1] for i, st, n in zip(picked, starts, counts)]
         tables = [block_tables[i] for i in picked]
-        rows = torch.cat([torch.arange(offsets[i], offsets[i] + n) for i, n in zip(picked, counts)])
-        batch = ForwardBatch.build(nexts, starts, tables, self.block_size, streams.device)
-        x = mtp[0](streams[rows.to(streams.device)], model.embed_tokens(batch.input_ids), batch)  # [T', n, D]
+        if picked:
+            rows = torch.cat([torch.arange(offsets[i], offsets[i] + n) for i, n in zip(picked, counts)])
+            x = streams[rows.to(streams.device)]  # [T', n, D]
+        batch = self._batch(nexts, starts, tables)
+        if not picked:
+            a = model.args
+            x = torch.zeros(0, a.hc_mult, a.hidden_size, dtype=model.embed.weight.dtype, device=self.device)
+        x = mtp[0](x, model.embed_tokens(batch.input_ids), batch)  # [T', n, D]
         drafting = [j for j, i in enumerate(picked) if scheduled[i].sample]
-        if not drafting:  # prefill chunks only: their MTP KV is written, nothing to propose yet
+        if not drafting and not self.lockstep:  # prefill chunks only: their MTP KV is written, nothing to propose
             return {}
         last = batch.cu_seqlens_q[1:].long() - 1  # [B']
         x, positions = x[last[drafting]], [starts[j] + counts[j] for j in drafting]  # streams, next position
@@ -59,17 +72,21 @@ class MTPProposer:
             for j, t in zip(drafting, token.tolist()):
                 drafts[j].append(t)
             live = [n for n, p in enumerate(positions) if p < self.max_model_len]  # where the chain may write
-            if step == self.k - 1 or not live:
+            if step == self.k - 1 or not (live or self.lockstep):
                 break
             block = mtp[(step + 1) % len(mtp)]
             drafting, x, token = [drafting[n] for n in live], x[live], token[live]
             positions = [positions[n] for n in live]
-            batch = ForwardBatch.build([[t] for t in token.tolist()], positions, [tables[j] for j in drafting],
-                                       self.block_size, streams.device)
+            batch = self._batch([[t] for t in token.tolist()], positions, [tables[j] for j in drafting])
             x = block(x, model.embed_tokens(batch.input_ids), batch)  # [B'', n, D]
             token = self._argmax(block, x)
             positions = [p + 1 for p in positions]
         return {scheduled[picked[j]].request.request_id: d for j, d in drafts.items()}
+
+    def _batch(self, tokens: list[list[int]], starts: list[int], tables) -> ForwardBatch:
+        if not tokens:
+            return ForwardBatch.empty(self.groups, self.block_size, self.device)
+        return ForwardBatch.build(tokens, starts, tables, self.block_size, self.device)
 
     def _argmax(self, block, streams: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(block.final_hidden(streams)).argmax(-1)  # [B]

@@ -60,8 +60,6 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
         EngineConfig.from_kwargs(**(a.preset.get("engine") or {}))  # checked before any rank starts
     except (ValueError, TypeError) as e:
         p.error(f"--config {a.config.name}: {e}")
-    if a.speculative_tokens and a.layout.world_size > 1:
-        p.error("speculative decoding runs in one process for now: use a one-rank preset")
     if a.layout.world_size > 1 and "WORLD_SIZE" not in os.environ:
         if a.weights is None and not (TINY / "config.json").exists():
             write_tiny_checkpoint(TINY)  # once, before the ranks start

@@ -66,7 +66,8 @@ def rank_generate(path, world, layout, engine_kwargs, num_prompts, sampled, out_
     from transformers import AutoTokenizer
     parallel = init_parallel(LLMParallelLayout(world_size=world, **layout))
     try:
-        llm = LLM(load_model(path, torch.float32, parallel=parallel), AutoTokenizer.from_pretrained(path),
+        mtp = engine_kwargs.get("num_speculative_tokens", 0) > 0
+        llm = LLM(load_model(path, torch.float32, parallel=parallel, mtp=mtp), AutoTokenizer.from_pretrained(path),
                   block_size=16, **engine_kwargs)
         params = [SamplingParams(**GREEDY)] * num_prompts
         prompts = GEN_PROMPTS[:num_prompts]
@@ -75,6 +76,7 @@ def rank_generate(path, world, layout, engine_kwargs, num_prompts, sampled, out_
                 prompts + [GEN_PROMPTS[0]]
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.kv_cache.all_blocks_free()
+        assert not mtp or llm.engine.stats.num_draft_tokens > 0  # the drafts were verified on every rank
         torch.save(([o.token_ids for o in outs], llm.engine.scheduler.num_preemptions), out_dir / f"gen{parallel.rank}.pt")
     finally:
         destroy_parallel()
@@ -85,7 +87,11 @@ def rank_generate(path, world, layout, engine_kwargs, num_prompts, sampled, out_
     (2, {"attn_tp": 2}, {"max_num_batched_tokens": 8, "num_blocks": 8}, 4, True),  # chunked prefill, preemption
     (2, {"lmhead_tp": 2}, {"max_num_batched_tokens": 8, "num_blocks": 4}, 4, False),  # DP2 + EP2, chunked, preempted
     (4, {"attn_tp": 2}, {}, 1, True),  # DP2 x TP2, EP4: one request for two DP ranks: the other one idles
-], ids=["tp2-chunked-preempted", "dp2-ep2-chunked-preempted", "dp2xtp2-ep4-idle"])
+    # MTP speculative decoding over ranks: TP peers draft alike; DP ranks run their MTP forwards in lock-step (the
+    # MTP MoE dispatches over EP), the one with fewer requests (3 prompts over 2 ranks) on empty batches at the end
+    (2, {"attn_tp": 2}, {"num_speculative_tokens": 2}, 4, True),
+    (2, {"lmhead_tp": 2}, {"num_speculative_tokens": 3, "max_num_batched_tokens": 8}, 3, False),
+], ids=["tp2-chunked-preempted", "dp2-ep2-chunked-preempted", "dp2xtp2-ep4-idle", "tp2-mtp2", "dp2-ep2-mtp3-chunked"])
 def test_greedy_generation_over_ranks_equals_one_process(checkpoint, tmp_path, world, layout, engine_kwargs,
                                                         num_prompts, sampled):
     from common.engine import LLM, SamplingParams
