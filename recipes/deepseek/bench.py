@@ -8,17 +8,17 @@ measures: decode tok/s at batch 1 and 16 (128-token prompts, 128 new tokens; dec
 generate(1), the same for both sides); a mixed workload (64 requests, prompt and output lengths uniform in [32,
 512], fixed seed) in total tok/s, transformers in static batches of 16; and the batch-1 decode roofline: active
 weight bytes per token (in the run's dtype) over the memory read bandwidth measured here by reading a buffer of the
-run's dtype at the run's thread count. Each row keeps each side's best of --repeats alternating runs. Prints a
-table, then one line of ratios.
+run's dtype at the run's thread count. Each row keeps each side's best of --repeats alternating runs. Prints the
+CPU (model and ISA), a progress bar while it measures, a table, one line of ratios and its wall time.
 """
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
 from common import backend
@@ -128,8 +128,9 @@ def main():
     p.add_argument("--dtype", choices=[backend.AUTO, *sorted(backend.DTYPES)], default=backend.AUTO,
                    help="both sides' weights (auto: backend.default_dtype(), which follows the CPU)")
     a = p.parse_args()
+    start = time.perf_counter()
     dtype, dtype_line = backend.resolve_dtype(a.dtype, None)
-    print(dtype_line, flush=True)
+    print(f"{dtype_line}; {backend.cpu_model_name()}, {backend.cpu_description()}", flush=True)
     torch.set_num_threads(a.threads)
     if not (BENCH / "config.json").exists():
         write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, **BENCH_CONFIG)
@@ -149,10 +150,12 @@ def main():
 
     new = 16 if a.quick else 128
     rows = []
+    bar = tqdm(total=5, desc="bench", unit="row")  # decode b1, decode b16, mixed, bandwidth, GEMM profiles
     for bs in (1, 16):
         o, t = best_of(a.repeats, lambda: decode_tok_s(ours, bs, args.vocab_size, seed=bs, new=new),
                        lambda: decode_tok_s(theirs, bs, args.vocab_size, seed=bs, new=new))
         rows.append((f"decode tok/s, batch {bs}", o, t))
+        bar.update()
 
     n_req = 16 if a.quick else 64
     g = torch.Generator().manual_seed(0)
@@ -165,13 +168,17 @@ def main():
     o, t = best_of(a.repeats, lambda: total / timed(lambda: ours_generate(llm, work, olens)),
                    lambda: total / sum(timed(lambda: theirs(b, n)) for b, n in static_batches))
     rows.append(("mixed workload total tok/s", o, t))
+    bar.update()
 
     bw = read_bandwidth(dtype)  # the run's dtype and threads
+    bar.update()
     roofline = bw / per_token
     floors = {bs: gemm_seconds_per_step(llm, bs, args.vocab_size) for bs in (1, 16)}  # GEMM s / step
+    bar.update()
+    bar.close()
     print(f"\nDeepSeek-V4 bench checkpoint: {n_params / 1e6:.0f}M parameters, {per_token / 2**20:.0f} MiB active "
           f"weights per token ({backend.dtype_name(dtype)}); {a.threads} threads; "
-          f"{platform.processor() or platform.machine()}; "
+          f"{backend.cpu_model_name()}, {backend.cpu_description()}; "
           f"read bandwidth {bw / 1e9:.1f} GB/s -> batch-1 roofline {roofline:.1f} tok/s")
     print(f"{'metric':<30}{'engine':>12}{'transformers':>14}{'ratio':>8}")
     for name, ours_v, theirs_v in rows:
@@ -186,6 +193,7 @@ def main():
     print(f"ratios: batch1 {rows[0][1] / rows[0][2]:.2f}x, batch16 {rows[1][1] / rows[1][2]:.2f}x, "
           f"mixed {rows[2][1] / rows[2][2]:.2f}x vs transformers; batch-1 decode at {roofline / b1_ours:.1f}x the "
           f"roofline step time (transformers {roofline / b1_hf:.1f}x; the GEMMs alone {roofline * floors[1]:.1f}x)")
+    print(f"wall time {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
