@@ -93,16 +93,15 @@ class LLMEngine:
                            config.max_model_len)
             config = dataclasses.replace(config, max_model_len=capacity)
         self.config = config  # final: the cache is sized from these numbers and they never change
+        self.parallel = getattr(model, "parallel", None) or par.Parallel(par.LLMParallelLayout())
+        self.dp_group, tp_group = self.parallel.group("attn_dp"), self.parallel.group("attn_tp")
         self.proposer = None
         if config.num_speculative_tokens:
-            dp = (getattr(model, "parallel", None) or par.Parallel(par.LLMParallelLayout())).group("attn_dp")
             self.proposer = MTPProposer(model, config.num_speculative_tokens, config.block_size, config.max_model_len,
-                                        lockstep=par.group_size(dp) > 1)
+                                        lockstep=par.group_size(self.dp_group) > 1)
         self.runner = ModelRunner(model, config, num_blocks, keep_streams=self.proposer is not None)
         self.kv_cache = KVCacheManager(self.runner.specs, self.runner.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
-        self.parallel = getattr(model, "parallel", None) or par.Parallel(par.LLMParallelLayout())
-        self.dp_group, tp_group = self.parallel.group("attn_dp"), self.parallel.group("attn_tp")
         generator = None
         if par.group_size(tp_group) > 1:  # TP peers draw the same noise: one seed, from the group's first rank
             generator = make_generator(par.broadcast_int(random.SystemRandom().getrandbits(62), tp_group))
@@ -171,9 +170,19 @@ class LLMEngine:
         self.stats.consecutive_step_errors = 0
         decodes = sum(s.num_new_tokens for s in plan.scheduled
                       if s.num_new_tokens - len(s.draft_token_ids) == 1 and s.request.output_token_ids)
-        for s, (tokens, _) in zip(sampling, committed):  # the accepted drafts join the sequence (appended again,
-            s.request.output_token_ids += tokens[: s.num_accepted]  # stop-checked, below)
-        self.scheduler.update_from_output(plan)  # the accepted drafts are in the sequences: their blocks register
+        num_generated, stops = 0, {}
+        for s, (tokens, logprobs) in zip(sampling, committed):
+            req = s.request
+            for n, (token, lp) in enumerate(zip(tokens, logprobs), 1):
+                req.output_token_ids.append(token)
+                if lp is not None:
+                    req.output_logprobs.append(lp)
+                num_generated += 1
+                if reason := self._stop_reason(req):  # committed tokens after a stop are dropped
+                    stops[req.request_id] = reason
+                    break
+            s.num_accepted = min(s.num_accepted, n)  # the accepted drafts still in the sequence
+        self.scheduler.update_from_output(plan)  # before the stopped ones finish: their full blocks register too
         outputs = []
         for s, lps in zip(plan.scheduled, prompt_logprobs):
             if lps is not None:
@@ -181,19 +190,10 @@ class LLMEngine:
             if s.end == s.request.num_tokens and not s.sample:  # max_tokens 0: the prompt was all there was to do
                 self.scheduler.finish(s.request, "length")
                 outputs.append(self._output(s.request))
-        num_generated = 0
-        for s, (tokens, logprobs) in zip(sampling, committed):
-            req = s.request
-            del req.output_token_ids[len(req.output_token_ids) - s.num_accepted:]  # appended again, stop-checked
-            for token, lp in zip(tokens, logprobs):
-                req.output_token_ids.append(token)
-                if lp is not None:
-                    req.output_logprobs.append(lp)
-                num_generated += 1
-                self._check_stop(req)
-                if req.finished:  # committed tokens after a stop are dropped
-                    break
-            outputs.append(self._output(req))
+        for s in sampling:
+            if s.request.request_id in stops:
+                self.scheduler.finish(s.request, stops[s.request.request_id])
+            outputs.append(self._output(s.request))
         if self.proposer is not None:
             t1 = time.perf_counter()
             try:
@@ -287,7 +287,9 @@ class LLMEngine:
         else:
             s.decode_time += dt
 
-    def _check_stop(self, req: Request) -> None:
+    def _stop_reason(self, req: Request) -> str | None:
+        """After appending a token: "stop" / "length" if the request ends with it, else None; the text follows
+        the token (cut before a stop string)."""
         p, tok = req.sampling_params, req.output_token_ids[-1]
         reason = None
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
@@ -299,8 +301,7 @@ class LLMEngine:
         cut = find_stop(req.text, len(delta), p.stop) if p.stop else None
         if cut is not None:  # a stop string ends the text before it
             reason, req.text = "stop", req.text[:cut]
-        if reason:
-            self.scheduler.finish(req, reason)
+        return reason
 
     def _output(self, req: Request) -> RequestOutput:
         p = req.sampling_params

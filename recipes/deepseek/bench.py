@@ -53,16 +53,21 @@ def read_bandwidth(dtype: torch.dtype, gib: float = 1.0) -> float:
     return x.nbytes / min(timed(lambda: x.sum()) for _ in range(5))
 
 
-def active_bytes_per_token(model) -> int:
-    """Weights one decode token reads: all but the embedding table (one row) and the unrouted experts."""
+def weight_bytes_per_step(model, batch: int = 1) -> int:
+    """Bytes of weights one decode step of `batch` tokens reads: parameters and buffers as loaded (int8 / packed
+    int4 and their scales for a quantized model), before the engine packs or allocates; of the embedding table one
+    row per token, of the routed experts the expected share a step touches under
+    uniform routing, E * (1 - (1 - k/E)^batch) of E (k/E at batch 1: the active weights per token)."""
     a, total = model.args, 0
-    for name, p in model.named_parameters():
+    E, k = a.n_routed_experts, a.num_experts_per_tok
+    touched = (1 - (1 - k / E) ** batch)  # expected fraction of the routed experts a step reads
+    for name, t in (dict(model.named_parameters()) | dict(model.named_buffers())).items():
         if name == "embed.weight":
-            total += p[0].nbytes
-        elif name.endswith(("experts.w13", "experts.w2")):
-            total += p.nbytes * a.num_experts_per_tok // a.n_routed_experts
+            total += t[0].nbytes * batch
+        elif ".experts." in name:
+            total += int(t.nbytes * touched)
         else:
-            total += p.nbytes
+            total += t.nbytes
     return total
 
 
@@ -139,7 +144,7 @@ def main():
     model = load_model(BENCH, dtype)
     # counted before the engine packs the CPU bf16 weights (common.cpu_gemm), which are no parameters after that
     n_params = sum(p.numel() for p in model.parameters())
-    per_token = active_bytes_per_token(model)
+    per_token = weight_bytes_per_step(model)  # batch 1: the active weights of a token
     llm = LLM(model, tok, block_size=128, max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
               kv_cache_memory_bytes=2 * 2**30)
     hf = DeepseekV4ForCausalLM.from_pretrained(BENCH, dtype=dtype).eval()

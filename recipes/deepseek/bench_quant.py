@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
 from bench import (BENCH, BENCH_CONFIG, decode_tok_s, gemm_seconds_per_step, hf_generate, ours_generate, prompts,
-                   read_bandwidth)
+                   read_bandwidth, weight_bytes_per_step)
 from common import backend
 from common.engine import LLM
 from config_deepseek_v4 import ModelArgs
@@ -32,23 +32,6 @@ from weights_deepseek_v4 import load_model
 
 FORMATS = ("w8a8", "w4a8")
 BATCHES = (1, 16)
-
-
-def weight_bytes_per_step(model, batch: int) -> int:
-    """Bytes of weights one decode step of `batch` tokens reads (see the module doc): parameters and buffers, as
-    loaded (int8 / packed int4 and their scales for a quantized model), before the engine packs or allocates."""
-    a, total = model.args, 0
-    E, k = a.n_routed_experts, a.num_experts_per_tok
-    touched = E * (1 - (1 - k / E) ** batch) / E  # expected fraction of the routed experts a step reads
-    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-    for name, t in tensors.items():
-        if name == "embed.weight":
-            total += t[0].nbytes * batch
-        elif ".experts." in name:
-            total += int(t.nbytes * touched)
-        else:
-            total += t.nbytes
-    return total
 
 
 def main():

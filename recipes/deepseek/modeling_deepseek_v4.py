@@ -75,6 +75,12 @@ class Rope(nn.Module):
         return torch.cat([nope, ops.rotary_emb(pe, cos, sin, interleaved=True)], dim=-1)
 
 
+def make_ropes(args: ModelArgs) -> dict[str, Rope]:
+    """The two RoPEs a layer picks from: "main" (sliding-window attention, the MTP blocks) and "compress"."""
+    return {"main": Rope(args.qk_rope_head_dim, args.rope_theta, None),
+            "compress": Rope(args.qk_rope_head_dim, args.compress_rope_theta, args.compress_rope_scaling)}
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with an fp32 weight (cast once at the end, as upstream)."""
 
@@ -486,10 +492,7 @@ class DeepseekV4(nn.Module):
         check_layout(args, parallel.layout)
         self.embed_group, self.head_group = parallel.group("embed_tp"), parallel.group("lmhead_tp")
         n, D = args.hc_mult, args.hidden_size
-        ropes = {
-            "main": Rope(args.qk_rope_head_dim, args.rope_theta, None),
-            "compress": Rope(args.qk_rope_head_dim, args.compress_rope_theta, args.compress_rope_scaling),
-        }
+        ropes = make_ropes(args)
         self.embed = nn.Embedding(args.vocab_size // parallel.size("embed_tp"), D)  # this rank's rows
         self.vocab_start = parallel.rank_in("embed_tp") * self.embed.num_embeddings
         par.shard(self.embed.weight, 0, parallel, "embed_tp")

@@ -36,7 +36,7 @@ from bench import BENCH, BENCH_CONFIG
 from common.engine import LLM, SamplingParams
 from common.engine.forward_batch import ForwardBatch
 from common.loader.checkpoint import INDEX
-from modeling_deepseek_v4 import MTPBlock, Rope
+from modeling_deepseek_v4 import MTPBlock, make_ropes
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
@@ -64,9 +64,7 @@ def mtp_block(model) -> MTPBlock:
     """An MTP block for `model`, initialised from its last layer (see the module doc)."""
     a = model.args
     args = dataclasses.replace(a, num_nextn_predict_layers=1)
-    ropes = {"main": Rope(a.qk_rope_head_dim, a.rope_theta, None),
-             "compress": Rope(a.qk_rope_head_dim, a.compress_rope_theta, a.compress_rope_scaling)}
-    block = MTPBlock(args, 0, ropes, model.parallel)
+    block = MTPBlock(args, 0, make_ropes(a), model.parallel)
     last = dict(model.layers[-1].state_dict())
     state = block.state_dict()
     for name in state:

@@ -10,17 +10,8 @@ import torch
 
 from common import backend, ops
 from common.ops import reference as ref
-from common.ops.emulator import TorchNpuEmulator
 
 torch.manual_seed(0)
-
-
-@pytest.fixture
-def emu():
-    emulator = TorchNpuEmulator()
-    previous = ops.use_backend("npu", emulator)
-    yield emulator
-    ops.use_backend(previous)
 
 
 def close(a, b, tol=1e-5):

@@ -24,21 +24,12 @@ import torch
 
 from common import ops
 from common.ops import reference as ref
-from common.ops.emulator import TorchNpuEmulator
 from common.ops.reference import quant as Q
 
 torch.manual_seed(0)
 ROOT = Path(__file__).resolve().parents[2]
 FLT_MIN = np.float32(torch.finfo(torch.float32).tiny)
 UNIT = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
-
-
-@pytest.fixture
-def emu():
-    emulator = TorchNpuEmulator()
-    previous = ops.use_backend("npu", emulator)
-    yield emulator
-    ops.use_backend(previous)
 
 
 def randint8(*shape, lo=-127, hi=127):

@@ -112,6 +112,11 @@ def cpu_int8_kernel() -> str:
     return "_int_mm"
 
 
+def _int_mm_exact_on(t: torch.Tensor) -> bool:
+    """Whether torch._int_mm sums exactly for operands on t's device (CPU where cpu_int8_kernel() found it so)."""
+    return t.device.type == "cpu" and cpu_int8_kernel() == "_int_mm"
+
+
 def _int8_matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b.T exactly, summed in fp32 chunks of K <= 1024 (exact integers), the chunks added in int32. The weight
     is converted 512 rows at a time: a 2 MB fp32 block is reused by the allocator, where converting all of a
@@ -132,7 +137,7 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     exact; otherwise, and on other devices, exact fp32 sums (see the module doc)."""
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"int8_matmul takes int8 operands, got {a.dtype} and {b.dtype}")
-    if a.device.type == "cpu" and cpu_int8_kernel() == "_int_mm":
+    if _int_mm_exact_on(a):
         return torch._int_mm(a, b.T)
     return _int8_matmul_fp32(a, b)
 
@@ -183,7 +188,7 @@ def int8_group_matmul(a: torch.Tensor, b: torch.Tensor, group_size: int) -> torc
     if b.numel() and not -8 <= int(b.min()) <= int(b.max()) <= 7:
         raise ValueError("int8_group_matmul sums exactly in fp32 for int4 weights (-8..7) only")
     groups = k // group_size
-    if a.device.type == "cpu" and cpu_int8_kernel() == "_int_mm" and groups:  # 3-4x the fp32 bmm below
+    if _int_mm_exact_on(a) and groups:  # 3-4x the fp32 bmm below
         return torch.stack([torch._int_mm(a[:, g:g + group_size], b[:, g:g + group_size].T)
                             for g in range(0, k, group_size)])
     a3 = a.float().view(m, groups, group_size).transpose(0, 1)  # [G, M, gs]
@@ -207,7 +212,7 @@ def int4_group_matmul(a: torch.Tensor, packed: torch.Tensor, group_size: int) ->
         raise ValueError(f"int4_group_matmul: a [M, K], packed int8 [N, K/2], an even group_size dividing K; got "
                          f"{tuple(a.shape)}, {packed.dtype} {tuple(packed.shape)}, {group_size}")
     per_gemm = _BLOCK_ROWS // max(m, 1)  # groups per GEMM
-    if not (a.device.type == "cpu" and cpu_int8_kernel() == "_int_mm" and m and per_gemm > 1):
+    if not (_int_mm_exact_on(a) and m and per_gemm > 1):
         return int8_group_matmul(a, unpack_int4(packed), group_size)
     groups, half = k // group_size, group_size // 2
     out = torch.empty(groups, m, n, dtype=torch.int32)
@@ -236,7 +241,7 @@ def grouped_w8a8(x_q, x_scale, weight, weight_scale, tokens_per_expert, dtype) -
     m, n = x_q.shape[0], weight.shape[1]
     acc = torch.empty(m, n, dtype=torch.int32, device=x_q.device)
     ends = tokens_per_expert.cumsum(0).tolist()
-    fast = x_q.device.type == "cpu" and cpu_int8_kernel() == "_int_mm"
+    fast = _int_mm_exact_on(x_q)
     for e, (start, end) in enumerate(zip([0] + ends, ends)):
         if end > start:
             if fast:
