@@ -8,6 +8,12 @@ requests; attention-TP peers run the same requests and sample alike (one generat
 steps in lock-step (`has_unfinished_anywhere`), and a rank with nothing scheduled forwards an empty batch, so the
 expert-parallel collectives of the others never wait for it. A fault in a step there ends the job (the other ranks'
 collectives would wait for the failed one): the exception propagates.
+
+PD disaggregation goes through a KV connector (common/kv_transfer, the serving layer's PD roles), called on the
+engine's thread: `start_load(request, block_table)` when a do_remote_prefill request got its blocks (decode side),
+`cancel_load(request_id)` when one is aborted while its KV is on the way (its blocks are freed only once the
+prefill side no longer writes them: the connector then calls `fail_remote_prefill`), and `start_send(request,
+block_table)` when a do_remote_decode request finished (prefill side; `release_sent` frees its blocks after).
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from common.kv_cache import KVCacheManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .model_runner import ModelRunner, blocks_that_fit
-from .request import Request
+from .request import Request, RequestStatus
 from .sampler import Sampler, TokenLogprobs, make_generator, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -80,8 +86,8 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, kv_connector=None):
+        self.model, self.tokenizer, self.kv_connector = model, tokenizer, kv_connector
         config = (config or EngineConfig()).resolve(model.args.max_position_embeddings)
         specs = model.cache_specs(config.block_size)
         num_blocks = ({s.name: config.num_blocks for s in specs} if config.num_blocks
@@ -140,7 +146,49 @@ class LLMEngine:
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=req.prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
+        req = self.scheduler.requests.get(request_id)
+        if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.kv_connector.cancel_load(request_id)  # its blocks may still be written: the connector frees them
+            return
         self.scheduler.abort(request_id)
+
+    def finish_remote_prefill(self, request_id: str, token_ids: list[int], logprobs: list | None = None,
+                              prompt_logprobs: list | None = None, num_cached_tokens: int = 0) -> RequestOutput | None:
+        """Decode side: the prompt's KV is in the request's blocks and the prefill instance sampled token_ids (its
+        first token; none for max_tokens 0). The request runs on from here; its output, or None if it is gone."""
+        req = self.scheduler.receiving.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.remote_prefill_done(req)
+        req.num_cached_tokens = num_cached_tokens
+        req.prompt_logprobs = list(prompt_logprobs or [])
+        reason = None if token_ids else "length"
+        for token, lp in zip(token_ids, logprobs or [None] * len(token_ids)):
+            req.output_token_ids.append(token)
+            if lp is not None:
+                req.output_logprobs.append(lp)
+            self.stats.decode_tokens += 1
+            if reason := self._stop_reason(req):
+                break
+        if reason:
+            self.scheduler.finish(req, reason)
+        else:
+            self.sampler.skip(req.sampling_params, req.generator, self.model.args.vocab_size)  # as if sampled here
+        return self._output(req)
+
+    def fail_remote_prefill(self, request_id: str, error: str | None) -> RequestOutput | None:
+        """Decode side: the prompt's KV will not come (error: why; None: the request was aborted); the prefill
+        instance no longer writes its blocks, which are freed. Its output, or None if it is gone."""
+        req = self.scheduler.receiving.get(request_id)
+        if req is None:
+            return None
+        req.error = error
+        self.scheduler.finish(req, "abort" if error is None else "error")
+        return self._output(req)
+
+    def release_sent(self, request_id: str) -> None:
+        """Prefill side: the connector has sent (or given up sending) a finished request's blocks."""
+        self.scheduler.release(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -153,8 +201,11 @@ class LLMEngine:
         """One scheduled forward; returns the requests that got a token (or finished) this step."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        for req in plan.remote_prefills:
+            self.kv_connector.start_load(req, self.kv_cache.block_table(req.request_id))
         if not plan.scheduled:
-            if self.scheduler.waiting and not self.scheduler.running:
+            s = self.scheduler
+            if s.waiting and not (s.running or s.receiving or s.sending):  # blocks that will come back: wait
                 raise RuntimeError("the next waiting request cannot be scheduled with an empty batch")
             if par.group_size(self.dp_group) > 1:
                 self.runner.execute_idle()  # the other DP ranks' step: meet their collectives
@@ -188,11 +239,11 @@ class LLMEngine:
             if lps is not None:
                 s.request.prompt_logprobs += lps
             if s.end == s.request.num_tokens and not s.sample:  # max_tokens 0: the prompt was all there was to do
-                self.scheduler.finish(s.request, "length")
+                self._finish(s.request, "length")
                 outputs.append(self._output(s.request))
         for s in sampling:
             if s.request.request_id in stops:
-                self.scheduler.finish(s.request, stops[s.request.request_id])
+                self._finish(s.request, stops[s.request.request_id])
             outputs.append(self._output(s.request))
         if self.proposer is not None:
             t1 = time.perf_counter()
@@ -259,6 +310,11 @@ class LLMEngine:
             prompt_logprobs.append(token_logprobs(logits, next_ids, [s.request.sampling_params.prompt_logprobs]
                                                   * len(positions)))
         return prompt_logprobs, result, tables
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        if req.request_id in self.scheduler.sending:  # PD prefill side: its blocks go to the decode instance
+            self.kv_connector.start_send(req, self.kv_cache.block_table(req.request_id))
 
     def _fail_step(self, plan: SchedulerOutput, e: Exception) -> list[RequestOutput]:
         """Finish every request of a failed step with finish_reason "error"; their blocks go back to the pool.

@@ -49,7 +49,8 @@ def blocks_that_fit(model, config: EngineConfig) -> dict[str, int]:
 class ModelRunner:
     """The model must provide: cache_specs(block_size) -> [CacheGroupSpec], cache_bytes_per_block(block_size),
     allocate_caches(num_blocks: {group: n}, block_size), forward(ForwardBatch) -> hidden [T, D] and
-    compute_logits(hidden [N, D]) -> [N, V]."""
+    compute_logits(hidden [N, D]) -> [N, V]; for PD disaggregation also cache_tensors() -> {group: [tensors
+    [num_blocks, ...]]}."""
 
     def __init__(self, model, config: EngineConfig, num_blocks: dict[str, int], keep_streams: bool = False):
         self.model, self.config, self.keep_streams = model, config, keep_streams

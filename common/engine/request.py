@@ -12,6 +12,7 @@ from .sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # PD decode side: blocks held, the prompt's KV on its way
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -35,6 +36,13 @@ class Request:
     generator: torch.Generator | None = None
     detokenizer: object | None = field(default=None, repr=False)  # the engine's IncrementalDetokenizer
     spec_token_ids: list[int] = field(default_factory=list)  # MTP drafts of the tokens after the last one
+    # PD disaggregation (vLLM's names). do_remote_prefill (decode instance): the prompt's KV and first token come
+    # from a prefill instance into blocks allocated here. do_remote_decode (prefill instance): when the request
+    # finishes its prefill, its blocks are held until the KV connector has sent them. kv_transfer_params: what the
+    # connector needs (where to, which blocks).
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    kv_transfer_params: dict | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self.generator = make_generator(self.sampling_params.seed)

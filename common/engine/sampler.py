@@ -71,6 +71,12 @@ class Sampler:
             return sampled
         return torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), sampled)
 
+    def skip(self, params: SamplingParams, generator: torch.Generator | None, vocab_size: int) -> None:
+        """Advance a row's own generator as `sample` does for one of its tokens drawn elsewhere (PD: the prefill
+        instance sampled the first token), so a seeded request's later tokens are those of a colocated run."""
+        if generator is not None and not params.greedy:
+            torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+
     def verify(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
                drafts: list[int]) -> list[int]:
         """Speculative sampling of one sampled request: logits [k + 1, V] of its verify rows, drafts [k] proposed

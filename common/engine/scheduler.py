@@ -7,6 +7,12 @@ running request is preempted by recompute: its blocks are freed and it goes back
 
 The scheduler is the one owner of request and KV state: it holds every unfinished request by id, and it alone
 allocates, registers (prefix cache) and frees KV blocks. The engine asks it to add, finish and advance requests.
+
+PD disaggregation: on a decode instance a waiting request with do_remote_prefill is admitted by allocating its
+prompt's blocks (FIFO, as any admission: one D cannot hold waits, it is not dropped) and then waits, outside the
+batch, in `receiving` until the KV connector reports its KV written (`remote_prefill_done`) or failed (`finish`).
+It counts against max_num_seqs from admission on. On a prefill instance a request with do_remote_decode that
+finishes normally keeps its blocks in `sending` until `release`: the connector reads them meanwhile.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    remote_prefills: list[Request] = field(default_factory=list)  # admitted this step into `receiving`
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +81,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.receiving: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS (PD decode side)
+        self.sending: dict[str, Request] = {}  # finished, blocks held for the KV connector (PD prefill side)
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -103,8 +112,16 @@ class Scheduler:
                 out.scheduled.append(schedule_entry(req, num_new, drafts))
                 budget -= num_new + len(drafts)
                 i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.receiving) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.do_remote_prefill:  # blocks for the prompt, written by the prefill instance
+                if not self.kv_cache.allocate_external(req.request_id, req.num_prompt_tokens):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.receiving[req.request_id] = req
+                out.remote_prefills.append(req)
+                continue
             # prompt log-probs need the logits of every prompt position: such a request reads no cached prefix
             reads_cache = req.sampling_params.prompt_logprobs is None
             cached = self.kv_cache.get_computed_tokens(req.request_id, req.all_token_ids) if reads_cache else 0
@@ -146,17 +163,34 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def remote_prefill_done(self, req: Request) -> None:
+        """The prefill instance wrote the prompt's KV into the request's blocks: it runs from here on (a later
+        preemption recomputes it here)."""
+        del self.receiving[req.request_id]
+        req.num_computed_tokens, req.status, req.do_remote_prefill = req.num_prompt_tokens, RequestStatus.RUNNING, False
+        self.running.append(req)
+
     def finish(self, req: Request, reason: str) -> None:
-        """Retire a request (stop, length, abort, error) wherever it is, freeing its blocks."""
+        """Retire a request (stop, length, abort, error) wherever it is, freeing its blocks (a do_remote_decode
+        request that ended normally holds them in `sending` until `release`)."""
         if req.finished:
             return
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.receiving.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
-        self.kv_cache.free(req.request_id)
+        if req.do_remote_decode and reason in ("stop", "length"):
+            self.sending[req.request_id] = req
+        else:
+            self.kv_cache.free(req.request_id)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
+
+    def release(self, request_id: str) -> None:
+        """The KV connector is done with a finished request's blocks: free them. Unknown ids are ignored."""
+        if self.sending.pop(request_id, None) is not None:
+            self.kv_cache.free(request_id)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish the request with this id as aborted; None when it is unknown or already finished."""

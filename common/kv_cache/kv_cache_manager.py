@@ -121,6 +121,19 @@ class KVCacheManager:
             table += pool.allocate(num_alloc)
         return True
 
+    def allocate_external(self, request_id: str, num_tokens: int) -> bool:
+        """For a new request whose first num_tokens positions are computed elsewhere (PD: written by a prefill
+        instance): the blocks holding them that a later query reads (a full group: all; a window group: from
+        first_needed_block(num_tokens) on, null before). All or nothing, as allocate."""
+        assert request_id not in self._requests, f"{request_id} already holds blocks"
+        n = -(-num_tokens // self.block_size)
+        plan = {g: min(spec.first_needed_block(num_tokens), n) for g, spec in self.specs.items()}
+        if any(n - first > self.pools[g].num_free_blocks for g, first in plan.items()):
+            return False
+        self._requests[request_id] = _Request({g: [NULL_BLOCK] * first + self.pools[g].allocate(n - first)
+                                               for g, first in plan.items()})
+        return True
+
     def _hit(self, token_ids: list[int], num_blocks: int) -> _Request:
         hashes = hash_blocks(token_ids, self.block_size, num_tokens=num_blocks * self.block_size)
         tables = {}

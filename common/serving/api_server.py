@@ -18,12 +18,16 @@ import uuid
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncLLMEngine, EngineOverloaded
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .pd_decode import DecodeConnector
+from .pd_prefill import PrefillConnector, add_prefill_routes
+from .pd_protocol import PREFILL_HEADER
+from .responses import error_response, run_unless_disconnected
 from .streams import TextStream, chat_logprobs, merge, start
 
 logger = logging.getLogger("npu_cookbook.serving")
@@ -36,11 +40,6 @@ class APIError(Exception):
                  headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
-
-
-def error_response(status: int, message: str, type: str, param: str | None = None, headers=None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class EndQuietlyOnCancel:
@@ -61,15 +60,22 @@ class EndQuietlyOnCancel:
 
 def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key: str | None = None,
               drain_timeout: float = 0.0) -> FastAPI:
+    """PD roles: the engine's kv_connector decides (a DecodeConnector takes requests that name a prefill instance
+    in the X-PD-Prefill header; a PrefillConnector adds the /pd routes)."""
     engine = async_engine.engine
+    connector = engine.kv_connector
     metrics = ServerMetrics(engine)
     think_end_id = tokenizer.convert_tokens_to_ids(THINK_CLOSE) if THINK_CLOSE in tokenizer.get_vocab() else None
 
     async def lifespan(app: FastAPI):
+        if connector is not None:
+            connector.bind(async_engine, asyncio.get_running_loop())
         if not async_engine.started:
             async_engine.start()
         yield
         await asyncio.to_thread(async_engine.shutdown, drain_timeout)
+        if hasattr(connector, "aclose"):
+            await connector.aclose()
 
     app = FastAPI(title="npu-cookbook OpenAI-compatible server", lifespan=lifespan)
     app.add_middleware(EndQuietlyOnCancel)
@@ -116,15 +122,28 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{model_name}`",
                            "NotFoundError", "model")
 
-    async def submit(prompts: list[list[int]], body, request_id: str) -> list:
+    def remote_prefill(raw: Request) -> dict | None:
+        """PD decode side: the kv_transfer_params of a request the router paired with a prefill instance."""
+        url = raw.headers.get(PREFILL_HEADER)
+        if url is None:
+            return None  # served here from the prompt on, as colocated
+        if not isinstance(connector, DecodeConnector):
+            raise APIError(400, f"{PREFILL_HEADER}: this instance is not a PD decode instance", param=PREFILL_HEADER)
+        try:
+            return {"do_remote_prefill": True, "prefill_url": connector.check_prefill_url(url)}
+        except ValueError as e:
+            raise APIError(400, str(e), param=PREFILL_HEADER) from None
+
+    async def submit(prompts: list[list[int]], body, request_id: str, raw: Request) -> list:
         try:
             params = [body.sampling_params(len(p), engine.config.max_model_len, index=j)
                       for p in prompts for j in range(body.n)]
         except ValueError as e:
             raise APIError(400, str(e)) from None
         expanded = [p for p in prompts for _ in range(body.n)]
+        kv = remote_prefill(raw)
         try:
-            return await start(async_engine, expanded, params, request_id)
+            return await start(async_engine, expanded, params, request_id, kv)
         except EngineOverloaded as e:
             raise APIError(503, str(e), "server_overloaded", headers={"Retry-After": "1"}) from None
         except ValueError as e:
@@ -187,31 +206,14 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
             raise APIError(500, f"generation failed: {failed[0]}", "internal_server_error")
         return finals
 
-    async def whole(prompts, body, request_id: str, arrival: float) -> dict:
-        return await collect(await submit(prompts, body, request_id), arrival)
+    async def whole(prompts, body, request_id: str, arrival: float, raw: Request) -> dict:
+        return await collect(await submit(prompts, body, request_id, raw), arrival)
 
     async def unless_disconnected(raw: Request, work):
-        """Await `work` unless the client disconnects first: then cancel it (which aborts its engine requests,
-        freeing their blocks) and return None. Streams notice a disconnect themselves; this is for whole
-        responses, which uvicorn would otherwise compute to the end for nobody."""
-        task = asyncio.ensure_future(work)
-
-        async def disconnect():
-            while (await raw.receive())["type"] != "http.disconnect":
-                pass
-
-        watch = asyncio.ensure_future(disconnect())
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not task.done():
-                task.cancel()
-        if not task.done() or task.cancelled():
-            await asyncio.gather(task, return_exceptions=True)
+        finished, result = await run_unless_disconnected(raw, work)
+        if not finished:
             metrics.count("aborted")
-            return None
-        return task.result()
+        return result
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(body: CompletionRequest, raw: Request):
@@ -235,7 +237,9 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
                     "finish_reason": out.finish_reason if out.finished else None}
 
         if body.stream:
-            started = await submit(prompts, body, request_id)
+            started = await unless_disconnected(raw, submit(prompts, body, request_id, raw))
+            if started is None:
+                return Response(status_code=499)  # gone before its first token (PD: while P prefilled)
             sent_first = set()
 
             def make_chunk(i, out):
@@ -247,7 +251,7 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
                 return {**head, "choices": [choice(i, out, text, first)]}
             return stream_response(started, arrival, make_chunk, head, prompts, body.include_usage)
 
-        finals = await unless_disconnected(raw, whole(prompts, body, request_id, arrival))
+        finals = await unless_disconnected(raw, whole(prompts, body, request_id, arrival, raw))
         if finals is None:
             return Response(status_code=499)  # nobody is listening
         metrics.count("success")
@@ -275,7 +279,9 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
             return chat_logprobs(tokenizer, streams[i].new_logprobs(out)) if body.logprobs else None
 
         if body.stream:
-            started = await submit(prompts, body, request_id)
+            started = await unless_disconnected(raw, submit(prompts, body, request_id, raw))
+            if started is None:
+                return Response(status_code=499)  # gone before its first token (PD: while P prefilled)
             role_sent = set()
 
             def make_chunk(i, out):
@@ -293,7 +299,7 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
                 return {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs(i, out),
                                              "finish_reason": out.finish_reason if out.finished else None}]}
             return stream_response(started, arrival, make_chunk, head, prompts, body.include_usage)
-        finals = await unless_disconnected(raw, whole(prompts, body, request_id, arrival))
+        finals = await unless_disconnected(raw, whole(prompts, body, request_id, arrival, raw))
         if finals is None:
             return Response(status_code=499)  # nobody is listening
         metrics.count("success")
@@ -312,6 +318,9 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                             "owned_by": "npu-cookbook",
                                             "max_model_len": engine.config.max_model_len}]}
+
+    if isinstance(connector, PrefillConnector):
+        add_prefill_routes(app, async_engine, connector)
 
     @app.get("/health")
     async def health():

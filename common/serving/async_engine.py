@@ -14,6 +14,10 @@ takes it: the least loaded, by prompt + output tokens outstanding; aborts), ever
 in lock-step, and the DP ranks' outputs are gathered to rank 0, which hands them to the streams. While idle, rank 0
 still broadcasts every `IDLE_TICK_S`, so the other ranks' collectives never time out. Any rank's failure ends the
 job (torchrun then stops the others); rank 0's /health answers 503 from then on.
+
+PD disaggregation (one rank per instance): the KV connector hands its results to the engine thread with
+`run_in_engine(fn)`; fn runs there between steps and its outputs go to their streams. A step that can run
+nothing (every request waits for remote KV, or for blocks held by transfers) waits for a command.
 """
 from __future__ import annotations
 
@@ -77,15 +81,21 @@ class AsyncLLMEngine:
         """Requests submitted and not finished (the bound for overload)."""
         return len(self._streams)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; the last has `finished`. ValueError for a prompt that
-        can never run, EngineOverloaded when too many are pending."""
+        can never run, EngineOverloaded when too many are pending. kv_transfer_params (PD): the KV connector's
+        parameters, with do_remote_prefill or do_remote_decode set (common/engine/request.py)."""
         if self._stopping or self.error is not None:
             raise EngineOverloaded("the server is shutting down" if self._stopping else f"engine failed: {self.error}")
         if self.num_pending >= self.max_waiting:
             raise EngineOverloaded(f"{self.num_pending} requests pending, the limit is {self.max_waiting}")
         req = self.engine.make_request(prompt, params, request_id)
+        if kv_transfer_params:
+            assert self.parallel.world_size == 1, "PD roles run one rank per instance"
+            req.kv_transfer_params = kv_transfer_params
+            req.do_remote_prefill = bool(kv_transfer_params.get("do_remote_prefill"))
+            req.do_remote_decode = bool(kv_transfer_params.get("do_remote_decode"))
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
         self._commands.append(("add", req))
@@ -104,6 +114,12 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.append(("abort", request_id))
+        self._wake.set()
+
+    def run_in_engine(self, fn) -> None:
+        """Run fn() on the engine thread between steps (thread-safe); it returns a RequestOutput, a list of them or
+        None, delivered to their streams. One rank only (a closure is not broadcast)."""
+        self._commands.append(("call", fn))
         self._wake.set()
 
     def _deliver(self, request_id: str, item) -> None:
@@ -129,6 +145,12 @@ class AsyncLLMEngine:
                 for kind, arg in commands:
                     if kind == "add":
                         self._add(*arg)
+                    elif kind == "call":
+                        out = arg()
+                        for o in out if isinstance(out, list) else [out] if out is not None else []:
+                            if o.finished:
+                                self._balance.done(o.request_id)
+                            self._deliver(o.request_id, o)
                     else:
                         self.engine.abort(arg)
                         self._streams.pop(arg, None)
@@ -140,7 +162,12 @@ class AsyncLLMEngine:
                     self._wake.wait(timeout=IDLE_TICK_S)
                     self._wake.clear()
                     continue
+                ran = self.engine.stats.steps + self.engine.stats.step_errors
                 outputs = self.engine.step()
+                if not outputs and self.engine.stats.steps + self.engine.stats.step_errors == ran \
+                        and self.parallel.world_size == 1:  # nothing could run (PD: KV on its way): wait
+                    self._wake.wait(timeout=IDLE_TICK_S)
+                    self._wake.clear()
                 if self.parallel.world_size > 1:  # each DP rank's outputs (once: its first TP rank's), to rank 0
                     mine = outputs if par.group_rank(self.parallel.group("attn_tp")) == 0 else []
                     outputs = [o for part in par.gather_to_rank0(mine) or [] for o in part]

@@ -25,6 +25,11 @@ class ServerMetrics:
               registry=self.registry).set_function(lambda: len(scheduler.waiting))
         Gauge("kv_cache_usage", "Fraction of KV cache blocks held by requests",
               registry=self.registry).set_function(engine.kv_cache.usage)
+        if engine.kv_connector is not None:  # PD
+            Gauge("num_requests_waiting_for_remote_kvs", "Decode side: requests whose prompt KV is on its way",
+                  registry=self.registry).set_function(lambda: len(scheduler.receiving))
+            Gauge("num_requests_sending_kvs", "Prefill side: finished requests whose blocks are being sent",
+                  registry=self.registry).set_function(lambda: len(scheduler.sending))
         self.registry.register(_EngineErrors(engine))
         stats = engine.stats
         if engine.config.num_speculative_tokens:  # vLLM's names

@@ -14,6 +14,12 @@ upstream stream, so the instance aborts the request and frees its KV blocks.
 `GET /v1/models` comes from any live instance, `GET /health` is 200 while one instance is up, and
 `GET /router/stats` lists url, up, outstanding and served per instance. With no instance up, requests get 503
 with an OpenAI-style error body and Retry-After.
+
+PD disaggregation (`--prefill URL`, repeated; the --upstream instances are then the decode instances): each
+request is paired with the live prefill instance with the fewest outstanding requests and the live decode
+instance likewise, and goes to the decode instance with the prefill instance's URL in `X-PD-Prefill`; the decode
+instance has it prefilled there and streams its answer, relayed as above. With no live prefill or no live decode
+instance requests get 503. `python -m common.serving.router --prefill http://P:8001 --upstream http://D:8002`.
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ from dataclasses import asdict, dataclass
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
+from .pd_protocol import PREFILL_HEADER
 
 try:
     import httpx2 as httpx  # what openai 3.x installs
@@ -56,9 +64,10 @@ class Router:
     """The instances, their state, and the choice of one for the next request."""
 
     def __init__(self, urls: list[str], health_interval: float = 1.0, health_timeout: float = 2.0,
-                 connect_timeout: float = 5.0):
+                 connect_timeout: float = 5.0, prefill_urls: list[str] = ()):
         assert urls, "at least one upstream"
         self.upstreams = [Upstream(u.rstrip("/")) for u in urls]
+        self.prefills = [Upstream(u.rstrip("/")) for u in prefill_urls]  # PD: the upstreams decode
         self.health_interval, self.health_timeout = health_interval, health_timeout
         self.retry_after = str(max(1, math.ceil(health_interval)))
         self._rr = 0
@@ -66,15 +75,16 @@ class Router:
             timeout=httpx.Timeout(connect=connect_timeout, read=None, write=60.0, pool=connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
 
-    def pick(self, exclude: tuple[Upstream, ...] = ()) -> Upstream | None:
-        live = [u for u in self.upstreams if u.up and u not in exclude]
+    def pick(self, exclude: tuple[Upstream, ...] = (), pool: list[Upstream] | None = None) -> Upstream | None:
+        pool = self.upstreams if pool is None else pool
+        live = [u for u in pool if u.up and u not in exclude]
         if not live:
             return None
         fewest = min(u.outstanding for u in live)
-        n = len(self.upstreams)
+        n = len(pool)
         for k in range(n):
             i = (self._rr + k) % n
-            u = self.upstreams[i]
+            u = pool[i]
             if u in live and u.outstanding == fewest:
                 self._rr = (i + 1) % n
                 return u
@@ -93,17 +103,36 @@ class Router:
 
     async def poll_health(self) -> None:
         while True:
-            await asyncio.gather(*(self.check(u) for u in self.upstreams))
+            await asyncio.gather(*(self.check(u) for u in self.upstreams + self.prefills))
             await asyncio.sleep(self.health_interval)
 
-    def unavailable(self) -> JSONResponse:
-        return JSONResponse(error_body("no upstream instance is available; retry later"), status_code=503,
+    @property
+    def available(self) -> bool:
+        return any(u.up for u in self.upstreams) and (not self.prefills or any(u.up for u in self.prefills))
+
+    def unavailable(self, what: str = "upstream") -> JSONResponse:
+        return JSONResponse(error_body(f"no {what} instance is available; retry later"), status_code=503,
                             headers={"Retry-After": self.retry_after})
 
     async def forward(self, request: Request, path: str) -> Response:
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k in FORWARD_REQUEST_HEADERS}
         headers["accept-encoding"] = "identity"  # relay raw bytes as they are
+        prefill = None
+        if self.prefills:  # PD: the decode instance has this one prefill the request
+            prefill = self.pick(pool=self.prefills)
+            if prefill is None:
+                return self.unavailable("prefill")
+            headers[PREFILL_HEADER] = prefill.url
+            prefill.outstanding += 1
+        try:
+            return await self._forward(path, body, headers, prefill)
+        except BaseException:
+            if prefill is not None:
+                prefill.outstanding -= 1
+            raise
+
+    async def _forward(self, path: str, body: bytes, headers: dict, prefill: Upstream | None) -> Response:
         tried: tuple[Upstream, ...] = ()
         for _ in range(2):  # the first choice, then one retry elsewhere
             u = self.pick(tried)
@@ -121,13 +150,16 @@ class Router:
             except BaseException:
                 u.outstanding -= 1
                 raise
-            return await self.relay(u, upstream)
-        return self.unavailable()
+            return await self.relay(u, upstream, prefill)
+        if prefill is not None:
+            prefill.outstanding -= 1
+        return self.unavailable("decode" if prefill is not None else "upstream")
 
-    async def relay(self, u: Upstream, upstream: httpx.Response) -> Response:
+    async def relay(self, u: Upstream, upstream: httpx.Response, prefill: Upstream | None = None) -> Response:
         def release():
-            u.outstanding -= 1
-            u.served += 1
+            for x in (u, prefill) if prefill is not None else (u,):
+                x.outstanding -= 1
+                x.served += 1
 
         headers = {k: v for k, v in upstream.headers.items() if k in FORWARD_RESPONSE_HEADERS}
         if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
@@ -183,7 +215,7 @@ def build_router(upstreams: list[str], health_interval: float = 1.0, **kwargs) -
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        await asyncio.gather(*(router.check(u) for u in router.upstreams))
+        await asyncio.gather(*(router.check(u) for u in router.upstreams + router.prefills))
         task = asyncio.create_task(router.poll_health())
         yield
         task.cancel()
@@ -191,7 +223,7 @@ def build_router(upstreams: list[str], health_interval: float = 1.0, **kwargs) -
             await task
         await router.client.aclose()
 
-    app = FastAPI(title="npu-cookbook data-parallel router", lifespan=lifespan)
+    app = FastAPI(title="npu-cookbook router", lifespan=lifespan)
     app.state.router = router
 
     @app.post("/v1/completions")
@@ -218,13 +250,14 @@ def build_router(upstreams: list[str], health_interval: float = 1.0, **kwargs) -
 
     @app.get("/health")
     async def health():
-        if any(u.up for u in router.upstreams):
-            return {"status": "ok", "upstreams_up": sum(u.up for u in router.upstreams)}
+        if router.available:
+            return {"status": "ok", "upstreams_up": sum(u.up for u in router.upstreams),
+                    "prefills_up": sum(u.up for u in router.prefills)}
         return router.unavailable()
 
     @app.get("/router/stats")
     async def stats():
-        return {"upstreams": [asdict(u) for u in router.upstreams]}
+        return {"upstreams": [asdict(u) for u in router.upstreams], "prefills": [asdict(u) for u in router.prefills]}
 
     return app
 
@@ -234,6 +267,8 @@ def main(argv=None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m common.serving.router", description=__doc__.splitlines()[0])
     p.add_argument("--upstream", action="append", required=True, help="an instance's base URL (repeat per instance)")
+    p.add_argument("--prefill", action="append", default=[],
+                   help="PD: a prefill instance's base URL (repeat); the --upstream instances are then decode instances")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health polls")
@@ -241,7 +276,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger(httpx.__name__).setLevel(logging.WARNING)  # not a line per health poll
-    uvicorn.run(build_router(a.upstream, a.health_interval), host=a.host, port=a.port, log_level=a.log_level)
+    uvicorn.run(build_router(a.upstream, a.health_interval, prefill_urls=a.prefill), host=a.host, port=a.port,
+                log_level=a.log_level)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,13 @@ and stops it with SIGTERM. --offline-baseline then runs the same requests throug
 (`LLM(...).generate`, same checkpoint and preset, max_num_seqs capped at the concurrency) and prints the
 server/offline output-throughput ratio. The default checkpoint is weights/deepseek-v4-bench (bench.py's,
 written here if missing); the target is server/offline >= 0.85x at concurrency 16 on it.
+
+--pd P:D benches PD disaggregation against colocated serving in one run: the same requests through `run.sh
+--serve` and then through `run.sh --serve --pd P:D` (both launched here, one after the other), side by side with
+PD / colocated ratios, and the KV transfer throughput (P's /pd/info: bytes written / seconds in the transfer
+engine) against a plain memory copy of the same bytes per transfer, timed here after the runs.
+--long-input-len N --long-every K makes every K-th prompt N tokens long (a mixed workload: long prefills among
+short ones, the decode stalls PD removes).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 from openai import AsyncOpenAI
+from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 BENCH = HERE.parents[1] / "weights" / "deepseek-v4-bench"  # = bench.BENCH, without importing torch for it
@@ -72,7 +81,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--offline-baseline", action="store_true", help="also run the requests offline, in-process")
     p.add_argument("--threads", type=int, help="torch threads (OMP_NUM_THREADS of a launched server too)")
     p.add_argument("--json", type=Path, help="write the numbers here")
+    p.add_argument("--pd", help="P:D: bench `run.sh --serve --pd P:D` against colocated `run.sh --serve` (launched)")
+    p.add_argument("--long-input-len", type=int, help="every --long-every-th prompt has this many tokens")
+    p.add_argument("--long-every", type=int, default=4)
+    p.add_argument("--token-chunks", action="store_true",
+                   help="ask for log-probs so that every token streams as its own chunk (a per-token ITL; on by "
+                        "default with --pd); otherwise a chunk may carry several tokens")
     a = p.parse_args(argv)
+    if a.pd is not None:
+        if not re.fullmatch(r"[1-9]\d*:[1-9]\d*", a.pd):
+            p.error(f"--pd {a.pd!r}: expected P:D, e.g. 1:1")
+        if a.offline_baseline:
+            p.error("--pd compares against colocated serving; --offline-baseline is for one server")
+        a.launch = a.token_chunks = True
+    if a.long_input_len is not None and (a.long_input_len < 1 or a.long_every < 1 or a.prompts):
+        p.error("--long-input-len / --long-every: positive, random token-id prompts only")
     if a.concurrency < 1 or a.num_prompts < 1 or a.input_len < 1 or a.output_len < 1:
         p.error("--concurrency, --num-prompts, --input-len and --output-len must be >= 1")
     if a.prompts is not None and not a.prompts.is_file():
@@ -100,13 +123,17 @@ def make_prompts(a) -> list[str | list[int]]:
         config = a.weights / "config.json"
         vocab = json.loads(config.read_text())["vocab_size"] if config.exists() else 16384
     rng = random.Random(a.seed)
-    return [[rng.randrange(10, vocab) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
+    lengths = [a.long_input_len if a.long_input_len and i % a.long_every == a.long_every - 1 else a.input_len
+               for i in range(a.num_prompts)]
+    return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
 
 
 async def one_request(client: AsyncOpenAI, a, prompt) -> Result:
     r = Result()
     kw = dict(model=a.model, max_tokens=a.output_len, temperature=0.0, stream=True,
-                  stream_options={"include_usage": True}, extra_body={"ignore_eos": not a.prompts})
+              stream_options={"include_usage": True}, extra_body={"ignore_eos": not a.prompts})
+    if a.token_chunks:  # a chunk per token (text held back for a partial character still comes with its log-prob)
+        kw["logprobs"] = True if a.chat else 0
     t0 = last = time.perf_counter()
     try:
         if a.chat:
@@ -120,7 +147,7 @@ async def one_request(client: AsyncOpenAI, a, prompt) -> Result:
             if not chunk.choices:
                 continue
             c = chunk.choices[0]
-            if not ((c.delta.content or "") if a.chat else c.text) and c.finish_reason is None:
+            if not ((c.delta.content or "") if a.chat else c.text) and c.finish_reason is None and not a.token_chunks:
                 continue
             now = time.perf_counter()
             if chunks == 0:
@@ -150,9 +177,13 @@ async def run_load(a, prompts) -> tuple[list[Result], float]:
     gate = asyncio.Semaphore(a.concurrency)
     arrivals = random.Random(a.seed + 1)
 
+    progress = tqdm(total=len(prompts), desc="requests", unit="req", leave=False)
+
     async def gated(prompt):
         async with gate:
-            return await one_request(client, a, prompt)
+            result = await one_request(client, a, prompt)
+        progress.update()
+        return result
 
     tasks = []
     t0 = time.perf_counter()
@@ -162,6 +193,7 @@ async def run_load(a, prompts) -> tuple[list[Result], float]:
             await asyncio.sleep(arrivals.expovariate(a.request_rate))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
+    progress.close()
     await client.close()
     return results, duration
 
@@ -251,10 +283,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise SystemExit(f"no /health from {url} after {timeout:.0f}s")
 
 
-def launch(a) -> subprocess.Popen:
+def launch(a, pd: str | None = None) -> subprocess.Popen:
     ensure_checkpoint(a.weights)
     cmd = ["bash", str(HERE / "run.sh"), "--serve", "--weights", str(a.weights), "--config", str(a.config),
-           "--port", str(a.port)]
+           "--port", str(a.port)] + (["--pd", pd] if pd else [])
     if a.api_key and a.api_key != "EMPTY":
         cmd += ["--api-key", a.api_key]
     env = {**os.environ, **({"OMP_NUM_THREADS": str(a.threads)} if a.threads else {})}
@@ -274,8 +306,64 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def memcpy_gb_s(nbytes: int, reps: int) -> float:
+    """A plain memory copy of nbytes (torch, this process), reps times: GB/s."""
+    import torch
+
+    src, dst = torch.ones(max(1, nbytes), dtype=torch.uint8), torch.empty(max(1, nbytes), dtype=torch.uint8)
+    dst.copy_(src)  # first touch
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    return nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+
+def pd_main(a, prompts) -> int:
+    """Colocated, then PD, with the same requests; the comparison and the transfer throughput."""
+    runs, transfers = {}, None
+    for mode in ("colocated", f"pd {a.pd}"):
+        proc = launch(a, a.pd if mode != "colocated" else None)
+        try:
+            results, duration = asyncio.run(run_load(a, prompts))
+            if mode != "colocated":  # the first prefill instance's transfer counters
+                with urllib.request.urlopen(f"http://127.0.0.1:{a.port + 1}/pd/info", timeout=10) as r:
+                    transfers = json.loads(r.read())["transfers"]
+        finally:
+            stop(proc)
+        runs[mode] = summarize(results, duration)
+        print_table(f"{mode}: {a.num_prompts} requests, concurrency {a.concurrency}", runs[mode])
+    col, pd = runs.values()
+    print(f"\nPD {a.pd} vs colocated (same requests; PD / colocated):")
+    for key, name in [("ttft_ms_p50", "TTFT p50 ms"), ("ttft_ms_p99", "TTFT p99 ms"), ("itl_ms_p50", "ITL p50 ms"),
+                      ("itl_ms_p99", "ITL p99 ms"), ("tpot_ms_mean", "TPOT mean ms"), ("output_tok_s", "output tok/s")]:
+        print(f"  {name:<16}{col[key]:>10.1f}{pd[key]:>10.1f}{pd[key] / col[key]:>9.2f}x")
+    report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}, "runs": runs,
+              "transfers": transfers}
+    if transfers and transfers["num_transfers"]:
+        per = transfers["bytes"] // transfers["num_transfers"]
+        engine_gb_s = transfers["bytes"] / max(transfers["seconds"], 1e-9) / 1e9
+        copy_gb_s = memcpy_gb_s(per, transfers["num_transfers"])
+        report["transfer_gb_s"], report["memcpy_gb_s"] = engine_gb_s, copy_gb_s
+        print(f"\nKV transfer: {transfers['num_transfers']} requests, {transfers['bytes'] / 2**20:.1f} MiB in "
+              f"{transfers['num_writes']} writes ({per / 2**20:.2f} MiB a request), {transfers['seconds']:.3f} s in "
+              f"the transfer engine: {engine_gb_s:.2f} GB/s; memory copy of the same bytes here: {copy_gb_s:.2f} GB/s "
+              f"(transfer / copy {engine_gb_s / copy_gb_s:.2f}x)")
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {a.json}")
+    return 0 if col["failed"] == 0 and pd["failed"] == 0 else 1
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    t_start = time.perf_counter()
+    from common.backend import cpu_description, cpu_model_name
+
+    print(f"CPU: {cpu_model_name()} ({cpu_description()})", flush=True)
+    if a.pd is not None:
+        code = pd_main(a, make_prompts(a))
+        print(f"bench wall time: {time.perf_counter() - t_start:.0f} s")
+        return code
     if a.offline_baseline:
         ensure_checkpoint(a.weights)
     prompts = make_prompts(a)
@@ -301,6 +389,7 @@ def main(argv=None) -> int:
     if a.json:
         a.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {a.json}")
+    print(f"bench wall time: {time.perf_counter() - t_start:.0f} s")
     return 0 if server["failed"] == 0 else 1
 
 

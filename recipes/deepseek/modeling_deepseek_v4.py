@@ -520,18 +520,26 @@ class DeepseekV4(nn.Module):
         for layer in [*self.layers, *self.mtp]:
             layer.attn.allocate(num_blocks, block_size, dtype, self.embed.weight.device)
 
+    def cache_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every allocated cache tensor by group, in a fixed order; each is [num_blocks, ...] (block i at i * its
+        block bytes): what PD's KV transfer registers and copies block by block."""
+        groups = {WINDOW: []}
+        for layer in [*self.layers, *self.mtp]:
+            attn = layer.attn
+            groups[WINDOW].append(attn.kv_cache)
+            for c in (attn.compressor, attn.indexer and attn.indexer.compressor):
+                if c is not None:
+                    groups[WINDOW].append(c.state)
+                    groups.setdefault(compressed_group(c.ratio), []).append(c.entries)
+        return groups
+
     def cache_bytes_per_block(self, block_size: int) -> dict[str, int]:
         """Bytes one block of each group takes over all layers (from a one-block allocation)."""
         groups = [g.name for g in self.cache_specs(block_size)]
         self.allocate_caches(dict.fromkeys(groups, 1), block_size)
         sizes = dict.fromkeys(groups, 0)
-        for layer in [*self.layers, *self.mtp]:
-            attn = layer.attn
-            sizes[WINDOW] += attn.kv_cache.nbytes
-            for c in (attn.compressor, attn.indexer and attn.indexer.compressor):
-                if c is not None:
-                    sizes[WINDOW] += c.state.nbytes
-                    sizes[compressed_group(c.ratio)] += c.entries.nbytes
+        for g, tensors in self.cache_tensors().items():
+            sizes[g] += sum(t.nbytes for t in tensors)
         return sizes
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -5,12 +5,13 @@
 #   bash recipes/deepseek/run.sh [--weights DIR] [--config configs/X.yaml] [--prompts FILE] [--max-tokens N] ...
 #   bash recipes/deepseek/run.sh --serve [--host 127.0.0.1] [--port 8000] [--api-key K] [--weights DIR] ...
 #   bash recipes/deepseek/run.sh --serve --dp N [--port 8000] ...   (N instances on ports 8001.., router on 8000)
+#   bash recipes/deepseek/run.sh --serve --pd P:D [--port 8000] ... (P prefill + D decode instances, router on 8000)
 set -euo pipefail
 cd "$(dirname "$0")"
 if [[ "${1:-}" == "--serve" ]]; then
   shift
-  for arg in "$@"; do  # --dp N: N server instances behind the router (serve_dp.py)
-    [[ "$arg" == --dp || "$arg" == --dp=* ]] && exec python serve_dp.py "$@"
+  for arg in "$@"; do  # --dp N / --pd P:D: several server instances behind the router (serve_dp.py)
+    [[ "$arg" == --dp || "$arg" == --dp=* || "$arg" == --pd || "$arg" == --pd=* ]] && exec python serve_dp.py "$@"
   done
   exec python serve.py "$@"
 fi

@@ -3,6 +3,11 @@
     bash run.sh --serve [--host 127.0.0.1] [--port 8000] [--api-key K] [--weights DIR] [--config configs/X.yaml]
                         [--max-waiting N] [--drain-timeout S] [--max-consecutive-step-errors N]
 
+PD disaggregation: `--pd-role prefill` serves /pd/prefill for decode instances (and /v1 as usual); `--pd-role
+decode --pd-bootstrap http://P:PORT [...]` has each request the router pairs with one of those prefill instances
+prefilled there, its KV written into this instance's blocks over the Mooncake transfer engine, and decodes it here
+(common/serving/pd_prefill.py, pd_decode.py). `run.sh --serve --pd 1:1` starts P, D and the router (serve_dp.py).
+
 With no --weights, the tiny random checkpoint (written once, as generate.py does) is served. SIGTERM / Ctrl-C:
 stop accepting, let running requests finish for --drain-timeout seconds, abort the rest, exit 0. A multi-rank
 preset starts torchrun: rank 0 serves, every rank runs the engine in lock-step (common/serving/async_engine.py).
@@ -18,7 +23,10 @@ import uvicorn
 from common import parallel as par
 from common.engine import LLMEngine
 from common.serving import AsyncLLMEngine
+from common.kv_transfer import make_transport
 from common.serving.api_server import build_app
+from common.serving.pd_decode import DecodeConnector
+from common.serving.pd_prefill import PrefillConnector
 from cli_deepseek import TINY, ArgumentParser, add_model_args, check_model_args, fail, load
 
 
@@ -34,22 +42,46 @@ def parse_args(argv=None):
     p.add_argument("--max-consecutive-step-errors", type=int, default=3,
                    help="failed engine steps in a row after which the engine stops and /health answers 503 (a failed "
                         "step fails only its own requests)")
+    p.add_argument("--pd-role", choices=("prefill", "decode"), help="PD disaggregation: this instance's role")
+    p.add_argument("--pd-bootstrap", action="append", default=[], metavar="URL",
+                   help="decode role: a prefill instance's base URL (repeat per prefill instance)")
+    p.add_argument("--pd-host", default="127.0.0.1",
+                   help="the address the KV transfer engine listens on (peers write to / are written from it)")
+    p.add_argument("--pd-protocol", default="tcp", choices=("tcp", "rdma", "ascend"),
+                   help="the Mooncake transfer protocol: tcp (any machine), rdma, ascend (NPU, needs "
+                        "mooncake-transfer-engine-npu)")
+    p.add_argument("--pd-transfer-timeout", type=float, default=600.0,
+                   help="decode role: seconds a prefill instance has to prefill and write a request's KV")
     a = p.parse_args(argv)
+    if a.pd_role == "decode" and not a.pd_bootstrap:
+        p.error("--pd-role decode needs --pd-bootstrap URL (a prefill instance)")
+    if a.pd_bootstrap and a.pd_role != "decode":
+        p.error("--pd-bootstrap is for --pd-role decode")
+    if a.pd_transfer_timeout <= 0:
+        p.error(f"--pd-transfer-timeout must be > 0, got {a.pd_transfer_timeout}")
     if not 0 <= a.port < 65536:
         p.error(f"--port {a.port}: not a port number")
     if a.max_waiting < 1:
         p.error(f"--max-waiting must be >= 1, got {a.max_waiting}")
     if a.max_consecutive_step_errors < 1:
         p.error(f"--max-consecutive-step-errors must be >= 1, got {a.max_consecutive_step_errors}")
-    check_model_args(p, a)
+    check_model_args(p, a, one_rank="--pd-role" if a.pd_role else None)
     return a
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     model, tokenizer, config = load(a)
+    connector = None
+    if a.pd_role is not None:
+        try:
+            transport = make_transport(a.pd_host, a.pd_protocol)
+        except RuntimeError as e:
+            fail(e)
+        connector = (PrefillConnector(transport) if a.pd_role == "prefill" else
+                     DecodeConnector(transport, a.pd_bootstrap, a.pd_transfer_timeout))
     try:
-        engine = LLMEngine(model, tokenizer, config)
+        engine = LLMEngine(model, tokenizer, config, kv_connector=connector)
     except ValueError as e:  # settings that can never run (checked when the engine is built)
         fail(e)
     path = a.weights or TINY

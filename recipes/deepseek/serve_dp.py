@@ -1,16 +1,22 @@
-"""Data-parallel serving on one machine: N server instances behind the router, one OpenAI endpoint.
+"""Several server instances on one machine behind the router, one OpenAI endpoint: data parallel (--dp N) or
+prefill/decode disaggregated (--pd P:D).
 
     python serve_dp.py --dp N [--host 127.0.0.1] [--port 8000] [--devices 0,1,...] [run.sh serve options...]
+    python serve_dp.py --pd P:D [--host 127.0.0.1] [--port 8000] [--devices ...] [run.sh serve options...]
 
-Starts `bash run.sh --serve --port P_i <options>` for i = 1..N (P_i = port + i), waits until each answers
-`/health`, then starts `python -m common.serving.router` on --host:--port in front of them. SIGTERM or SIGINT
+--dp N starts `bash run.sh --serve --port P_i <options>` for i = 1..N (P_i = port + i). --pd P:D starts P prefill
+instances (`--pd-role prefill`, ports port+1 .. port+P) and D decode instances (`--pd-role decode --pd-bootstrap`
+every prefill instance, the next D ports). It waits until each answers `/health`, then starts
+`python -m common.serving.router` on --host:--port in front of them (with --pd: `--prefill` the P instances,
+`--upstream` the D instances). SIGTERM or SIGINT
 goes to every child; it exits when they have exited, and if any child dies on its own it stops the others and
 exits with that child's code. Options it does not know (--weights, --config, ...) go to every instance.
 
-Each instance gets OMP_NUM_THREADS = cores / N unless it is set, and with --devices 0,1,... instance i sees
-only device i (ASCEND_RT_VISIBLE_DEVICES).
+Each instance gets OMP_NUM_THREADS = cores / instances unless it is set, and with --devices 0,1,... instance i
+sees only device i (ASCEND_RT_VISIBLE_DEVICES; with --pd the P instances come first).
 
-`bash run.sh --serve --dp N ...` comes here (a --serve it is given is dropped; the rest is passed on).
+`bash run.sh --serve --dp N ...` and `bash run.sh --serve --pd P:D ...` come here (a --serve it is given is
+dropped; the rest is passed on).
 """
 from __future__ import annotations
 
@@ -38,7 +44,9 @@ def healthy(url: str) -> bool:
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="serve_dp.py", description=__doc__.splitlines()[0])
-    p.add_argument("--dp", type=int, required=True, help="number of server instances")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--dp", type=int, help="number of server instances")
+    mode.add_argument("--pd", help="P:D, numbers of prefill and decode instances (PD disaggregation)")
     p.add_argument("--host", default="127.0.0.1", help="the router's address")
     p.add_argument("--port", type=int, default=8000, help="the router's port; instances use port+1 .. port+N")
     p.add_argument("--devices", help="comma-separated device ids, one per instance")
@@ -47,11 +55,23 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--command", default=f"bash {shlex.quote(str(HERE / 'run.sh'))} --serve",
                    help="how to start one instance (--port P is appended)")
     a, rest = p.parse_known_args(argv)
-    if a.dp < 1:
+    if a.pd is not None:
+        try:
+            a.num_prefill, a.num_decode = (int(x) for x in a.pd.split(":"))
+        except ValueError:
+            p.error(f"--pd {a.pd!r}: expected P:D, e.g. 1:1")
+        if a.num_prefill < 1 or a.num_decode < 1:
+            p.error(f"--pd {a.pd}: at least one prefill and one decode instance")
+        a.roles = ["prefill"] * a.num_prefill + ["decode"] * a.num_decode
+    elif a.dp < 1:
         p.error("--dp must be >= 1")
+    else:
+        a.roles = [None] * a.dp
     a.devices = a.devices.split(",") if a.devices else None
-    if a.devices and len(a.devices) != a.dp:
-        p.error(f"--devices lists {len(a.devices)} ids for --dp {a.dp}")
+    if a.devices and len(a.devices) != len(a.roles):
+        p.error(f"--devices lists {len(a.devices)} ids for {len(a.roles)} instances")
+    if any(x.startswith("--pd-") for x in rest):
+        p.error("--pd-role / --pd-bootstrap are set by --pd P:D itself")
     return a, [x for x in rest if x != "--serve"]
 
 
@@ -72,17 +92,18 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    threads = max(1, (os.cpu_count() or 1) // a.dp)
-    urls = []
-    for i in range(a.dp):
-        port = a.port + 1 + i
+    threads = max(1, (os.cpu_count() or 1) // len(a.roles))
+    urls = [f"http://127.0.0.1:{a.port + 1 + i}" for i in range(len(a.roles))]
+    prefills = [u for u, role in zip(urls, a.roles) if role == "prefill"]
+    for i, (url, role) in enumerate(zip(urls, a.roles)):
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
         if a.devices:
             env["ASCEND_RT_VISIBLE_DEVICES"] = a.devices[i]
-        cmd = shlex.split(a.command) + ["--port", str(port), *passthrough]
-        print(f"[serve_dp] instance {i}: {shlex.join(cmd)}", flush=True)
+        cmd = shlex.split(a.command) + ["--port", url.rsplit(":", 1)[1], *passthrough]
+        if role is not None:
+            cmd += ["--pd-role", role] + [x for u in prefills for x in ("--pd-bootstrap", u)] * (role == "decode")
+        print(f"[serve_dp] instance {i}{f' ({role})' if role else ''}: {shlex.join(cmd)}", flush=True)
         children.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        urls.append(f"http://127.0.0.1:{port}")
 
     code = 0
     deadline = time.monotonic() + a.startup_timeout
@@ -103,8 +124,8 @@ def main(argv=None) -> int:
     if not stopping:
         router = [sys.executable, "-m", "common.serving.router", "--host", a.host, "--port", str(a.port),
                   "--health-interval", str(a.health_interval)]
-        for u in urls:
-            router += ["--upstream", u]
+        for u, role in zip(urls, a.roles):
+            router += ["--prefill" if role == "prefill" else "--upstream", u]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         children.append(subprocess.Popen(router, env=env, cwd=ROOT, start_new_session=True))
         print(f"[serve_dp] router on http://{a.host}:{a.port} -> {', '.join(urls)}", flush=True)

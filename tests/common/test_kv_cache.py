@@ -340,3 +340,22 @@ def simulate(seed: int):
 def test_random_requests_keep_the_books(chunk):
     for seed in range(chunk * 100, (chunk + 1) * 100):
         simulate(seed)
+
+
+def test_external_allocation_holds_what_later_queries_read():
+    """PD decode side: a prompt computed elsewhere gets every full-group block, and of a window group only the
+    blocks from the one the next query needs; all or nothing; the request then runs on as any other."""
+    specs = [CacheGroupSpec("full", 4), CacheGroupSpec("window", 4, sliding_window=6)]
+    m = KVCacheManager(specs, {"full": 12, "window": 5}, enable_prefix_caching=True)
+    assert m.allocate_external("a", 18)  # 5 blocks; the window group needs blocks from (18 - 6 + 1) // 4 = 3 on
+    table = m.block_table("a")
+    assert len(table["full"]) == 5 and NULL_BLOCK not in table["full"]
+    assert table["window"][:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in table["window"][3:]
+    free = {g: m.num_free_blocks(g) for g in ("full", "window")}
+    assert not m.allocate_external("b", 40)  # 10 full blocks: only 6 left, and nothing changed
+    assert {g: m.num_free_blocks(g) for g in ("full", "window")} == free
+    tokens = list(range(19))
+    assert m.allocate("a", tokens, 18, 1)  # the first decode step: position 18, still block 4
+    assert m.block_table("a")["window"][:3] == [NULL_BLOCK] * 3
+    m.free("a")
+    assert m.all_blocks_free()

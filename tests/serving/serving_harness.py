@@ -25,10 +25,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model, tokenizer, api_key=API_KEY, max_waiting=256, **engine_kwargs):
+def running_server(model, tokenizer, api_key=API_KEY, max_waiting=256, kv_connector=None, **engine_kwargs):
     """Yields (base_url, engine); the server and its engine thread stop on exit."""
-    engine = LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs))
+    engine = LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs), kv_connector=kv_connector)
     app = build_app(AsyncLLMEngine(engine, max_waiting=max_waiting), tokenizer, MODEL, api_key=api_key)
+    with serve_app(app, engine) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serve_app(app, engine=None):
+    """uvicorn on a free 127.0.0.1 port in a thread: yields (base_url, engine) until the caller is done."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=2))

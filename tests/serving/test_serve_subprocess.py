@@ -64,34 +64,44 @@ def test_serve_answers_then_sigterm_exits_0(checkpoint):
 
 @pytest.mark.parametrize("args, needle", [(("--port", "70000"), "--port"),
                                           (("--weights", "/no/such/dir"), "/no/such/dir"),
-                                          (("--config", "configs/atlas-a3-flash.yaml"), "moe_ep=16 does not divide")])
+                                          (("--config", "configs/atlas-a3-flash.yaml"), "moe_ep=16 does not divide"),
+                                          (("--pd-role", "decode"), "--pd-bootstrap"),
+                                          (("--pd-role", "prefill", "--config", "configs/tiny-cpu-tp2.yaml"),
+                                           "one rank")])
 def test_serve_bad_arguments_give_one_line_and_exit_2(args, needle):
     r = subprocess.run(["bash", str(RUN_SH), "--serve", *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr
 
 
-@pytest.mark.slow
-def test_serve_dp_starts_instances_behind_the_router(checkpoint):
-    """`run.sh --serve --dp 2`: two instances plus the router on one port; requests spread; SIGTERM stops all."""
+@contextlib.contextmanager
+def several_instances(checkpoint, *mode):
+    """`run.sh --serve <mode>` (--dp N, --pd P:D) on a free run of ports: yields (router url, client); SIGTERM at
+    the end must stop every process with exit code 0."""
     port = _free_port_run(3)  # router on port, instances on port + 1, port + 2
-    proc = subprocess.Popen(["bash", str(RUN_SH), "--serve", "--dp", "2", "--port", str(port), "--weights",
+    proc = subprocess.Popen(["bash", str(RUN_SH), "--serve", *mode, "--port", str(port), "--weights",
                              str(checkpoint), "--dtype", "fp32", "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(proc, url, 180)
-        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-        texts = [client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0).choices[0].text
-                 for _ in range(4)]
-        assert len(set(texts)) == 1  # same greedy answer from either instance
-        stats = json.loads(http("GET", url + "/router/stats", timeout=5)[2])
-        assert [u["served"] for u in stats["upstreams"]] == [2, 2]  # least outstanding, ties round robin
+        yield url, OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_serve_dp_starts_instances_behind_the_router(checkpoint):
+    """`run.sh --serve --dp 2`: two instances plus the router on one port; requests spread; SIGTERM stops all."""
+    with several_instances(checkpoint, "--dp", "2") as (url, client):
+        texts = [client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0).choices[0].text
+                 for _ in range(4)]
+        assert len(set(texts)) == 1  # same greedy answer from either instance
+        stats = json.loads(http("GET", url + "/router/stats", timeout=5)[2])
+        assert [u["served"] for u in stats["upstreams"]] == [2, 2]  # least outstanding, ties round robin
 
 
 def _free_port_run(n: int) -> int:
