@@ -15,9 +15,11 @@ in lock-step, and the DP ranks' outputs are gathered to rank 0, which hands them
 still broadcasts every `IDLE_TICK_S`, so the other ranks' collectives never time out. Any rank's failure ends the
 job (torchrun then stops the others); rank 0's /health answers 503 from then on.
 
-PD disaggregation (one rank per instance): the KV connector hands its results to the engine thread with
-`run_in_engine(fn)`; fn runs there between steps and its outputs go to their streams. A step that can run
-nothing (every request waits for remote KV, or for blocks held by transfers) waits for a command.
+PD disaggregation: every rank's KV connector gets the same commands (`send_kv_command` on rank 0, broadcast with
+the others: its `on_command`), and its messages (`take_messages`, after each step) are gathered to rank 0's
+(`on_messages`), which talks to the other instance over HTTP; `run_in_engine(fn)` runs a closure on this rank's
+engine thread (a sender thread's release). An iteration in which no rank ran a step (every request waits for
+remote KV, or for blocks held by transfers) waits for a command.
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ class AsyncLLMEngine:
             raise ValueError(f"max_consecutive_step_errors must be >= 1, got {max_consecutive_step_errors}")
         self.engine, self.max_waiting = engine, max_waiting
         self.max_consecutive_step_errors = max_consecutive_step_errors
-        self._commands: collections.deque = collections.deque()  # ("add", request, loop, queue) | ("abort", id)
+        self._commands: collections.deque = collections.deque()  # rank 0: ("add", request) | ("abort", id) | ("kv", x)
+        self._local: collections.deque = collections.deque()  # this rank's run_in_engine closures
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopping = False
@@ -91,11 +94,7 @@ class AsyncLLMEngine:
         if self.num_pending >= self.max_waiting:
             raise EngineOverloaded(f"{self.num_pending} requests pending, the limit is {self.max_waiting}")
         req = self.engine.make_request(prompt, params, request_id)
-        if kv_transfer_params:
-            assert self.parallel.world_size == 1, "PD roles run one rank per instance"
-            req.kv_transfer_params = kv_transfer_params
-            req.do_remote_prefill = bool(kv_transfer_params.get("do_remote_prefill"))
-            req.do_remote_decode = bool(kv_transfer_params.get("do_remote_decode"))
+        _set_kv_transfer(req, kv_transfer_params)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
         self._commands.append(("add", req))
@@ -116,10 +115,16 @@ class AsyncLLMEngine:
         self._commands.append(("abort", request_id))
         self._wake.set()
 
+    def send_kv_command(self, payload) -> None:
+        """Rank 0: a KV connector command (picklable data) for every rank's connector (`on_command`), applied between
+        steps; the outputs it makes go to their streams."""
+        self._commands.append(("kv", payload))
+        self._wake.set()
+
     def run_in_engine(self, fn) -> None:
-        """Run fn() on the engine thread between steps (thread-safe); it returns a RequestOutput, a list of them or
-        None, delivered to their streams. One rank only (a closure is not broadcast)."""
-        self._commands.append(("call", fn))
+        """Run fn() on this rank's engine thread between steps (thread-safe, not broadcast); it returns a
+        RequestOutput, a list of them or None."""
+        self._local.append(fn)
         self._wake.set()
 
     def _deliver(self, request_id: str, item) -> None:
@@ -137,40 +142,41 @@ class AsyncLLMEngine:
             raise self.error
 
     def _run(self) -> None:
+        connector, multi = self.engine.kv_connector, self.parallel.world_size > 1
         try:
             while True:
                 commands, stopping = list(self._take_commands()), self._stopping
-                if self.parallel.world_size > 1:  # rank 0's commands, to every rank (and a tick while idle)
+                if multi:  # rank 0's commands, to every rank (and a tick while idle)
                     commands, stopping = par.broadcast_from_rank0((commands, stopping))
+                outputs = []
                 for kind, arg in commands:
                     if kind == "add":
                         self._add(*arg)
-                    elif kind == "call":
-                        out = arg()
-                        for o in out if isinstance(out, list) else [out] if out is not None else []:
-                            if o.finished:
-                                self._balance.done(o.request_id)
-                            self._deliver(o.request_id, o)
+                    elif kind == "kv":
+                        outputs += _as_list(connector.on_command(arg))
                     else:
                         self.engine.abort(arg)
                         self._streams.pop(arg, None)
                         self._balance.done(arg)
+                while self._local:
+                    outputs += _as_list(self._local.popleft()())
                 busy = self.engine.has_unfinished_anywhere()
                 if stopping and not busy and not commands:
                     return
-                if not busy:
-                    self._wake.wait(timeout=IDLE_TICK_S)
-                    self._wake.clear()
-                    continue
-                ran = self.engine.stats.steps + self.engine.stats.step_errors
-                outputs = self.engine.step()
-                if not outputs and self.engine.stats.steps + self.engine.stats.step_errors == ran \
-                        and self.parallel.world_size == 1:  # nothing could run (PD: KV on its way): wait
-                    self._wake.wait(timeout=IDLE_TICK_S)
-                    self._wake.clear()
-                if self.parallel.world_size > 1:  # each DP rank's outputs (once: its first TP rank's), to rank 0
+                ran = False
+                if busy:
+                    before = self.engine.stats.steps + self.engine.stats.step_errors
+                    outputs += self.engine.step()
+                    ran = self.engine.stats.steps + self.engine.stats.step_errors != before
+                messages = connector.take_messages() if connector is not None else []
+                if multi:  # each DP rank's outputs (once: its first TP rank's) and connector messages, to rank 0
                     mine = outputs if par.group_rank(self.parallel.group("attn_tp")) == 0 else []
-                    outputs = [o for part in par.gather_to_rank0(mine) or [] for o in part]
+                    parts = par.gather_to_rank0((mine, messages, ran)) or []
+                    outputs = [o for part in parts for o in part[0]]
+                    messages = [m for part in parts for m in part[1]]
+                    ran = any(part[2] for part in parts)
+                if messages and self.parallel.rank == 0:
+                    connector.on_messages(messages)
                 for out in outputs:
                     if out.finished:
                         self._balance.done(out.request_id)
@@ -178,6 +184,9 @@ class AsyncLLMEngine:
                 errors = self.engine.stats.consecutive_step_errors
                 if errors >= self.max_consecutive_step_errors:
                     raise RuntimeError(f"{errors} engine steps failed in a row; the engine cannot continue")
+                if not ran and self.parallel.rank == 0:  # nothing ran anywhere (idle, or KV on its way): wait
+                    self._wake.wait(timeout=IDLE_TICK_S)
+                    self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - every waiting caller must hear about it
             self.error = e
             for request_id in list(self._streams):
@@ -185,22 +194,34 @@ class AsyncLLMEngine:
                 self._deliver(request_id, e)
 
     def _take_commands(self):
-        """Rank 0: the queued commands, adds as (request, the DP rank that takes it)."""
+        """Rank 0: the queued commands, adds as (request fields, kv_transfer_params, the DP rank that takes it)."""
         while self._commands:
             kind, arg = self._commands.popleft()
             if kind == "add" and self.parallel.world_size > 1:
                 owner = self._balance.assign(arg.request_id, request_cost(arg))
-                arg = (arg.request_id, arg.prompt_token_ids, arg.sampling_params, arg.prompt), owner
+                arg = (arg.request_id, arg.prompt_token_ids, arg.sampling_params, arg.prompt), arg.kv_transfer_params, owner
             elif kind == "add":
-                arg = arg, 0
+                arg = arg, None, 0
             yield kind, arg
 
-    def _add(self, req, owner: int) -> None:
+    def _add(self, req, kv_transfer_params: dict | None, owner: int) -> None:
         if owner != par.group_rank(self.engine.dp_group):
             return  # another DP rank's
         if not isinstance(req, Request):
             req = Request(*req)
+            _set_kv_transfer(req, kv_transfer_params)
         try:
             self.engine.add(req)
         except ValueError as e:  # an id in use: this request's fault, not the engine's
             self._deliver(req.request_id, e)
+
+
+def _set_kv_transfer(req: Request, params: dict | None) -> None:
+    if params:
+        req.kv_transfer_params = params
+        req.do_remote_prefill = bool(params.get("do_remote_prefill"))
+        req.do_remote_decode = bool(params.get("do_remote_decode"))
+
+
+def _as_list(out) -> list:
+    return out if isinstance(out, list) else [] if out is None else [out]

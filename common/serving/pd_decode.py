@@ -4,8 +4,10 @@ allocated here, then decoded (and streamed) here.
 The router names the prefill instance of each request in the `X-PD-Prefill` header (it must be one of this
 instance's --pd-bootstrap URLs). The scheduler admits such a request by allocating its prompt's blocks (a request
 that does not fit waits here, in order); the engine then calls `start_load`, and this connector posts
-/pd/prefill to the prefill instance with this instance's transport address, cache layout and the block ids. The
-answer (after P's writes returned) carries the first token: the request joins the running batch.
+/pd/prefill to the prefill instance with the transport address, cache layout and block ids of every rank that
+holds the request (its DP rank's attention-TP peers: P writes each). The answer (after P's writes returned)
+carries the first token: the request joins the running batch. P's own DP rank needs no telling: the P rank that
+prefilled the request writes it.
 
 Faults, each ending the request in bounded time with its blocks freed only when no write can still land in them:
 - the client goes away (abort) while the KV is on its way: /pd/prefill is cancelled, then /pd/abort tells P to
@@ -16,9 +18,11 @@ Faults, each ending the request in bounded time with its blocks freed only when 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 
+from common import parallel as par
 from common.kv_transfer import CacheLayout, KVTransport
 
 from .async_engine import AsyncLLMEngine
@@ -33,7 +37,11 @@ logger = logging.getLogger("npu_cookbook.pd")
 
 
 class DecodeConnector:
-    """The engine's KV connector on a decode instance (see common/engine/llm_engine.py)."""
+    """The engine's KV connector on a decode instance (see common/engine/llm_engine.py). Every rank of the instance
+    has one; rank 0's also talks to the prefill instances. A rank that admits a request sends rank 0 its target (its
+    transfer address, cache layout and block ids); once every attention-TP peer of that DP rank has (they hold the
+    same requests, each its own copy of the cache), rank 0 posts /pd/prefill naming them all, and hands the answer
+    to every rank as a command."""
 
     def __init__(self, transport: KVTransport, bootstrap_urls: list[str], transfer_timeout: float = 600.0,
                  abort_timeout: float = 30.0):
@@ -41,18 +49,23 @@ class DecodeConnector:
         self.layout: CacheLayout | None = None  # the engine's cache tensors, registered at bind
         self.prefill_urls = {u.rstrip("/") for u in bootstrap_urls}
         self.transfer_timeout, self.abort_timeout = transfer_timeout, abort_timeout
-        self.tasks: dict[str, asyncio.Task] = {}
+        self.outbox: collections.deque = collections.deque()  # messages for rank 0, from the engine thread
+        self.targets: dict[str, dict] = {}  # rank 0: per room, the load messages so far
+        self.tasks: dict[str, asyncio.Task] = {}  # rank 0: the /pd/prefill calls in flight
         self.async_engine: AsyncLLMEngine | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.client: httpx.AsyncClient | None = None
 
-    def bind(self, async_engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop) -> None:
-        """At server start: register the engine's cache tensors; the transfers' HTTP calls run on its loop."""
+    def bind(self, async_engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop | None) -> None:
+        """At start: register the engine's cache tensors; rank 0 (with the server's loop) makes the HTTP calls."""
         self.async_engine, self.loop = async_engine, loop
         self.layout = CacheLayout.from_tensors(async_engine.engine.model.cache_tensors())
         self.transport.register(self.layout.regions())
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.transfer_timeout, connect=10.0),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.num_tp = par.group_size(async_engine.parallel.group("attn_tp"))
+        self.tp_rank = par.group_rank(async_engine.parallel.group("attn_tp"))
+        if loop is not None:
+            self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.transfer_timeout, connect=10.0),
+                                            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     def check_prefill_url(self, url: str) -> str:
         """The prefill instance a request names, normalised; ValueError if it is not one of ours."""
@@ -62,21 +75,55 @@ class DecodeConnector:
                              f"(--pd-bootstrap): {sorted(self.prefill_urls)}")
         return url
 
-    # the engine's thread
+    # the engine's thread, on the ranks that own the request
     def start_send(self, request, block_table) -> None:
         raise RuntimeError("a decode instance does not send KV")
 
     def start_load(self, request, block_table: dict[str, list[int]]) -> None:
-        body = {"room": request.request_id, "prompt_token_ids": request.prompt_token_ids,
-                "sampling_params": dataclasses.asdict(request.sampling_params), "peer": self.transport.address,
-                "layout": self.layout.describe(), "block_tables": {g: list(t) for g, t in block_table.items()}}
-        url = request.kv_transfer_params["prefill_url"]
-        self.loop.call_soon_threadsafe(self._start, request.request_id, url, body)
+        target = {"peer": self.transport.address, "layout": self.layout.describe(),
+                  "block_tables": {g: list(t) for g, t in block_table.items()}}
+        body = None
+        if self.tp_rank == 0:  # the request itself, once
+            body = {"room": request.request_id, "prompt_token_ids": request.prompt_token_ids,
+                    "sampling_params": dataclasses.asdict(request.sampling_params),
+                    "url": request.kv_transfer_params["prefill_url"]}
+        self.outbox.append(("load", request.request_id, self.tp_rank, target, body))
 
     def cancel_load(self, request_id: str) -> None:
-        self.loop.call_soon_threadsafe(self._cancel, request_id)
+        self.outbox.append(("cancel", request_id))
 
-    # the event loop
+    def take_messages(self) -> list:
+        out = []
+        while self.outbox:
+            out.append(self.outbox.popleft())
+        return out
+
+    def on_command(self, payload):
+        """Every rank: ("loaded", room, answer) or ("failed", room, error | None: aborted); the outputs it makes."""
+        engine = self.async_engine.engine
+        kind, rid, arg = payload
+        if kind == "loaded":
+            return engine.finish_remote_prefill(rid, arg["token_ids"], logprobs_from_json(arg.get("logprobs")),
+                                                logprobs_from_json(arg.get("prompt_logprobs")),
+                                                num_cached_tokens=arg.get("num_cached_tokens", 0))
+        return engine.fail_remote_prefill(rid, arg)
+
+    # rank 0: the engine's thread
+    def on_messages(self, messages: list) -> None:
+        for m in messages:
+            if m[0] == "load":
+                _, rid, tp_rank, target, body = m
+                entry = self.targets.setdefault(rid, {"targets": {}, "body": None})
+                entry["targets"][tp_rank] = target
+                entry["body"] = entry["body"] or body
+                if len(entry["targets"]) == self.num_tp:
+                    del self.targets[rid]
+                    body = {**entry["body"], "targets": [entry["targets"][i] for i in range(self.num_tp)]}
+                    self.loop.call_soon_threadsafe(self._start, rid, body.pop("url"), body)
+            else:
+                self.loop.call_soon_threadsafe(self._cancel, m[1])
+
+    # rank 0: the event loop
     def _start(self, rid: str, url: str, body: dict) -> None:
         self.tasks[rid] = self.loop.create_task(self._load(rid, url, body))
 
@@ -85,10 +132,9 @@ class DecodeConnector:
         if task is not None:
             task.cancel()
         else:  # its answer came first and is queued before this abort: abort it as a running request
-            self.async_engine.run_in_engine(lambda: self.async_engine.engine.abort(rid))
+            self.async_engine.abort(rid)
 
     async def _load(self, rid: str, url: str, body: dict) -> None:
-        engine = self.async_engine.engine
         result, error = None, None
         try:
             r = await self.client.post(url + "/pd/prefill", json=body)
@@ -105,14 +151,11 @@ class DecodeConnector:
         finally:
             self.tasks.pop(rid, None)
         if result is not None:
-            self.async_engine.run_in_engine(lambda: engine.finish_remote_prefill(
-                rid, result["token_ids"], logprobs_from_json(result.get("logprobs")),
-                logprobs_from_json(result.get("prompt_logprobs")),
-                num_cached_tokens=result.get("num_cached_tokens", 0)))
+            self.async_engine.send_kv_command(("loaded", rid, result))
         else:
             if error is not None:
                 logger.warning("%s: %s", rid, error)
-            self.async_engine.run_in_engine(lambda: engine.fail_remote_prefill(rid, error))
+            self.async_engine.send_kv_command(("failed", rid, error))
 
     async def _abort_remote(self, url: str, rid: str) -> None:
         """Ask P to stop writing the room; returns when it has, when P is gone, or after abort_timeout."""

@@ -1,10 +1,10 @@
 """The prefill (P) role of PD disaggregation: prefill a decode instance's request, write its KV into the blocks the
 decode instance allocated, answer with the first token.
 
-    POST /pd/prefill  {room, prompt_token_ids, sampling_params, peer, layout, block_tables}
+    POST /pd/prefill  {room, prompt_token_ids, sampling_params, targets: [{peer, layout, block_tables}]}
         runs the prompt (prefix cache, chunked prefill as any request), samples the first token with the request's
         own sampling parameters, writes every cache group's blocks (runs of consecutive blocks one write per cache
-        tensor) through the KVTransport into `peer`'s registered memory, frees its blocks, and answers
+        tensor) through the KVTransport into each target's registered memory, frees its blocks, and answers
         {token_ids, logprobs, prompt_logprobs, num_cached_tokens}. The answer is the decode instance's
         notification: it comes after the writes returned. Errors are OpenAI error bodies (400 bad layout or
         parameters, 409 an aborted or duplicate room, 503 overloaded, 500 the prefill failed, 502 the write failed).
@@ -17,6 +17,7 @@ decode instance allocated, answer with the first token.
 A decode instance that goes away (its /pd/prefill connection closes) aborts the room the same way, so P's blocks
 come back whether D finished, failed or died. The engine calls `start_send` on its own thread when a
 do_remote_decode request finishes; the writes run on one sender thread, so the engine keeps stepping meanwhile.
+Over several ranks the DP rank that prefilled the request writes it (PrefillConnector).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
+from common import parallel as par
 from common.engine import SamplingParams
 from common.kv_transfer import CacheLayout, KVTransport
 
@@ -46,13 +48,9 @@ TOMBSTONES = 4096  # aborted rooms remembered (a /pd/prefill arriving after its 
 
 @dataclass(eq=False)
 class Room:
-    """One request prefilled for a decode instance, from /pd/prefill until its blocks are freed."""
-    peer: str
-    layout: CacheLayout
-    block_tables: dict[str, list[int]]
-    state: str = "engine"  # "engine" (prefilling) -> "sending" (writes) -> "done"
-    aborted: bool = False
-    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)  # result: error or None
+    """Rank 0: one request prefilled for a decode instance, from /pd/prefill until its writes ended."""
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)  # the writes: error or None
+    ack: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)  # an abort met no write
 
 
 @dataclass
@@ -66,25 +64,32 @@ class TransferStats:
 
 
 class PrefillConnector:
-    """The engine's KV connector on a prefill instance (see common/engine/llm_engine.py)."""
+    """The engine's KV connector on a prefill instance (see common/engine/llm_engine.py). Every rank has one; rank
+    0's serves the /pd routes. The request's targets (one per rank of the decode instance that holds it) travel
+    with it to the DP rank that prefills it, whose first attention-TP rank writes them (its TP peers hold the same
+    cache); "sent" and "ack" messages come back to rank 0; aborts reach every rank as commands."""
 
     def __init__(self, transport: KVTransport, abort_timeout: float = 30.0):
         self.transport, self.abort_timeout = transport, abort_timeout
         self.layout: CacheLayout | None = None  # the engine's cache tensors, registered at bind
-        self.rooms: dict[str, Room] = {}
-        self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.rooms: dict[str, Room] = {}  # rank 0
+        self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()  # rank 0: aborted rooms
+        self.aborted: collections.OrderedDict[str, None] = collections.OrderedDict()  # every rank: rooms not to send
+        self.sending: set[str] = set()  # this rank's rooms being written
+        self.outbox: collections.deque = collections.deque()  # messages for rank 0 (engine and sender threads)
         self.lock = threading.Lock()
         self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
         self.stats = TransferStats()
         self.async_engine: AsyncLLMEngine | None = None
 
-    def bind(self, async_engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop) -> None:
-        """At server start: register the engine's cache tensors with the transport."""
+    def bind(self, async_engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop | None) -> None:
+        """At start: register the engine's cache tensors with the transport."""
         self.async_engine = async_engine
         self.layout = CacheLayout.from_tensors(async_engine.engine.model.cache_tensors())
         self.transport.register(self.layout.regions())
+        self.tp_rank = par.group_rank(async_engine.parallel.group("attn_tp"))
 
-    # the engine's thread
+    # the engine's thread, on the ranks that own the request
     def start_load(self, request, block_table) -> None:
         raise RuntimeError("a prefill instance does not receive KV")
 
@@ -93,94 +98,125 @@ class PrefillConnector:
 
     def start_send(self, request, block_table: dict[str, list[int]]) -> None:
         rid = request.request_id
-        with self.lock:
-            room = self.rooms.get(rid)
-            send = room is not None and not room.aborted
-            if send:
-                room.state = "sending"
-        if not send:  # aborted meanwhile (or its decode instance went away): nothing to write
-            self.async_engine.run_in_engine(lambda: self.async_engine.engine.release_sent(rid))
-            if room is not None:
-                room.state = "done"
-                room.done.set_result("aborted")
+        if self.tp_rank == 0 and rid not in self.aborted:
+            with self.lock:
+                self.sending.add(rid)
+            self.sender.submit(self._send, rid, request.kv_transfer_params["targets"],
+                               {g: list(t) for g, t in block_table.items()})
             return
-        self.sender.submit(self._send, rid, room, {g: list(t) for g, t in block_table.items()})
+        self._release(rid)  # a TP peer (rank 0 of its group writes), or aborted meanwhile: nothing to write
+        if self.tp_rank == 0:
+            self.outbox.append(("sent", rid, "aborted"))
+
+    def take_messages(self) -> list:
+        out = []
+        while self.outbox:
+            out.append(self.outbox.popleft())
+        return out
+
+    def on_command(self, payload) -> None:
+        """Every rank: ("abort", room): no write for the room starts after this; if this rank would write it, it
+        tells rank 0 once none is under way ("ack" now, or "sent" when the writes in flight end)."""
+        _, rid = payload
+        self.aborted[rid] = None
+        while len(self.aborted) > TOMBSTONES:
+            self.aborted.popitem(last=False)
+        scheduler = self.async_engine.engine.scheduler
+        if self.tp_rank == 0 and rid in scheduler.requests:
+            with self.lock:
+                if rid not in self.sending:
+                    self.outbox.append(("ack", rid))
+
+    def _release(self, rid: str) -> None:
+        self.async_engine.run_in_engine(lambda: self.async_engine.engine.release_sent(rid))
 
     # the sender thread
-    def _send(self, rid: str, room: Room, tables: dict[str, list[int]]) -> None:
+    def _send(self, rid: str, targets: list[dict], tables: dict[str, list[int]]) -> None:
         error = None
         try:
-            srcs, dsts, lengths = self.layout.writes(room.layout, tables, room.block_tables)
+            writes = [(t["peer"], *self.layout.writes(CacheLayout.from_description(t["layout"]), tables,
+                                                      t["block_tables"])) for t in targets]
             t0 = time.perf_counter()
-            for i in range(0, len(srcs), WRITES_PER_BATCH):
-                if room.aborted:
-                    error = "aborted"
-                    self.stats.num_aborted += 1
-                    break
-                j = slice(i, i + WRITES_PER_BATCH)
-                self.transport.write(room.peer, srcs[j], dsts[j], lengths[j])
+            for peer, srcs, dsts, lengths in writes:
+                for i in range(0, len(srcs), WRITES_PER_BATCH):
+                    if rid in self.aborted:
+                        raise InterruptedError("aborted")
+                    j = slice(i, i + WRITES_PER_BATCH)
+                    self.transport.write(peer, srcs[j], dsts[j], lengths[j])
             self.stats.seconds += time.perf_counter() - t0
-            if error is None:
-                self.stats.num_transfers += 1
-                self.stats.num_writes += len(srcs)
-                self.stats.bytes += sum(lengths)
+            self.stats.num_transfers += 1
+            self.stats.num_writes += sum(len(w[1]) for w in writes)
+            self.stats.bytes += sum(sum(w[3]) for w in writes)
+        except InterruptedError:
+            error = "aborted"
+            self.stats.num_aborted += 1
         except Exception as e:  # noqa: BLE001 - the room fails, the instance goes on
             error = f"{type(e).__name__}: {e}"
             self.stats.num_failed += 1
-            logger.warning("KV transfer of %s to %s failed: %s", rid, room.peer, error)
+            logger.warning("KV transfer of %s failed: %s", rid, error)
         finally:
-            self.async_engine.run_in_engine(lambda: self.async_engine.engine.release_sent(rid))
+            self._release(rid)
             with self.lock:
-                room.state = "done"
-                self.rooms.pop(rid, None)
-            room.done.set_result(error)
+                self.sending.discard(rid)
+                self.outbox.append(("sent", rid, error))
 
-    # the event loop
-    def open_room(self, rid: str, room: Room) -> str | None:
-        """Register a room; why not (aborted before it came, or in use), or None."""
-        with self.lock:
-            if rid in self.tombstones:
-                return f"room {rid} was aborted"
-            if rid in self.rooms:
-                return f"room {rid} is in use"
-            self.rooms[rid] = room
-        return None
+    # rank 0: the engine's thread
+    def on_messages(self, messages: list) -> None:
+        for kind, rid, *rest in messages:
+            room = self.rooms.get(rid)
+            if room is None:
+                continue
+            future = room.done if kind == "sent" else room.ack
+            if not future.done():
+                future.set_result(rest[0] if rest else None)
+
+    # rank 0: the event loop
+    def open_room(self, rid: str) -> tuple[Room | None, str | None]:
+        """(a new room, None), or (None, why not: aborted before it came, or in use)."""
+        if rid in self.tombstones:
+            return None, f"room {rid} was aborted"
+        if rid in self.rooms:
+            return None, f"room {rid} is in use"
+        self.rooms[rid] = room = Room()
+        return room, None
 
     def close_room(self, rid: str, room: Room) -> None:
-        """/pd/prefill is over (answered, failed or its client gone): nothing is sent for the room after this
-        unless the writes already started (they then end on their own)."""
-        with self.lock:
-            if room.state == "engine":
-                room.aborted = True
-                if self.rooms.get(rid) is room:
-                    del self.rooms[rid]
+        """/pd/prefill is over (answered, failed or its decode instance gone): a write not started yet never
+        starts (writes under way end on their own)."""
+        if not room.done.done():
+            self.async_engine.send_kv_command(("abort", rid))
+        if self.rooms.get(rid) is room:
+            del self.rooms[rid]
 
     async def abort(self, rid: str) -> bool:
         """No write for the room after this returns True (False: the writes did not stop within abort_timeout)."""
-        with self.lock:
-            self.tombstones[rid] = None
-            while len(self.tombstones) > TOMBSTONES:
-                self.tombstones.popitem(last=False)
-            room = self.rooms.get(rid)
-            if room is not None:
-                room.aborted = True
+        self.tombstones[rid] = None
+        while len(self.tombstones) > TOMBSTONES:
+            self.tombstones.popitem(last=False)
+        room = self.rooms.get(rid)
+        self.async_engine.send_kv_command(("abort", rid))
         self.async_engine.abort(rid)  # still prefilling: the engine frees it (unknown ids are ignored)
-        if room is None or room.state != "sending":
+        if room is None or room.done.done():
             return True
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(room.done), self.abort_timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        waits = {asyncio.wrap_future(room.done), asyncio.wrap_future(room.ack)}
+        done, pending = await asyncio.wait(waits, timeout=self.abort_timeout, return_when=asyncio.FIRST_COMPLETED)
+        for w in pending:
+            w.cancel()
+        return bool(done)
+
+
+class Target(BaseModel):
+    """One rank of the decode instance that holds the request: where to write, and which blocks."""
+    peer: str
+    layout: dict[str, list[list[int]]]
+    block_tables: dict[str, list[int]]
 
 
 class PrefillBody(BaseModel):
     room: str
     prompt_token_ids: list[int]
     sampling_params: dict
-    peer: str
-    layout: dict[str, list[list[int]]]
-    block_tables: dict[str, list[int]]
+    targets: list[Target]
 
 
 class AbortBody(BaseModel):
@@ -190,17 +226,18 @@ class AbortBody(BaseModel):
 def add_prefill_routes(app: FastAPI, async_engine: AsyncLLMEngine, connector: PrefillConnector) -> None:
     @app.post("/pd/prefill")
     async def prefill(body: PrefillBody, raw: Request):
-        dst = CacheLayout.from_description(body.layout)
-        if (why := connector.layout.mismatch(dst)) is not None:
-            return error_response(400, f"the decode instance's KV cache differs from this one's ({why}): run P "
-                                       "and D with the same checkpoint, preset and dtype", "invalid_request_error")
+        for target in body.targets:
+            if (why := connector.layout.mismatch(CacheLayout.from_description(target.layout))) is not None:
+                return error_response(400, f"the decode instance's KV cache differs from this one's ({why}): run "
+                                           "P and D with the same checkpoint, preset and dtype",
+                                      "invalid_request_error")
         try:
             sp = SamplingParams(**body.sampling_params)
         except (TypeError, ValueError) as e:
             return error_response(400, f"sampling_params: {e}", "invalid_request_error", "sampling_params")
         params = dataclasses.replace(sp, max_tokens=min(sp.max_tokens, 1))  # the first token; D samples the rest
-        room = Room(body.peer, dst, body.block_tables)
-        if (why := connector.open_room(body.room, room)) is not None:
+        room, why = connector.open_room(body.room)
+        if room is None:
             return error_response(409, why, "invalid_request_error", "room")
         try:
             finished, result = await run_unless_disconnected(raw, _prefill(async_engine, body, params, room))
@@ -226,9 +263,10 @@ def add_prefill_routes(app: FastAPI, async_engine: AsyncLLMEngine, connector: Pr
 
 async def _prefill(async_engine: AsyncLLMEngine, body: PrefillBody, params: SamplingParams, room: Room):
     final = None
+    targets = [t.model_dump() for t in body.targets]
     try:
         async for out in async_engine.generate(body.prompt_token_ids, params, body.room,
-                                               kv_transfer_params={"do_remote_decode": True}):
+                                               kv_transfer_params={"do_remote_decode": True, "targets": targets}):
             final = out
     except EngineOverloaded as e:
         return error_response(503, str(e), "server_overloaded", headers={"Retry-After": "1"})
@@ -236,8 +274,9 @@ async def _prefill(async_engine: AsyncLLMEngine, body: PrefillBody, params: Samp
         return error_response(400, str(e), "invalid_request_error", "prompt_token_ids")
     if final.finish_reason in ("abort", "error"):
         return error_response(500, f"prefill failed: {final.error or final.finish_reason}", "internal_server_error")
-    error = await asyncio.wrap_future(room.done)  # the writes ended (the sender always sets it)
+    error = await asyncio.wrap_future(room.done)  # the writes ended (the writing rank always says so)
     if error is not None:
-        return error_response(502, f"KV transfer to {room.peer} failed: {error}", "kv_transfer_error")
+        return error_response(502, f"KV transfer to {', '.join(t['peer'] for t in targets)} failed: {error}",
+                              "kv_transfer_error")
     return {"room": body.room, "token_ids": final.token_ids, "logprobs": logprobs_to_json(final.logprobs),
             "prompt_logprobs": logprobs_to_json(final.prompt_logprobs), "num_cached_tokens": final.num_cached_tokens}

@@ -41,16 +41,12 @@ def add_model_args(p: ArgumentParser) -> None:
                    "step (overrides the preset's speculative.num_speculative_tokens; 0: off)")
 
 
-def check_model_args(p: ArgumentParser, a: argparse.Namespace, one_rank: str | None = None) -> None:
-    """Validate --weights / --config, load the preset into a.preset and resolve a.dtype. one_rank: the option that
-    needs a one-rank preset (refused before any rank starts)."""
+def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
+    """Validate --weights / --config, load the preset into a.preset and resolve a.dtype."""
     if a.weights is not None and not a.weights.is_dir():
         p.error(f"--weights {a.weights}: no such directory")
     read_preset(p, a)
     a.layout = parallel_layout(p, a)
-    if one_rank and a.layout.world_size > 1:
-        p.error(f"{one_rank}: --config {a.config.name} has {a.layout.world_size} ranks; it runs one rank per "
-                "instance for now (a one-rank preset)")
     preset_dtype = a.preset.get("dtype", backend.AUTO)  # --dtype > the preset's dtype > auto (follows the device)
     if preset_dtype not in DTYPES:
         p.error(f"--config {a.config.name}: dtype {preset_dtype!r}, expected one of {sorted(DTYPES)}")

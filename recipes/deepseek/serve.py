@@ -65,7 +65,7 @@ def parse_args(argv=None):
         p.error(f"--max-waiting must be >= 1, got {a.max_waiting}")
     if a.max_consecutive_step_errors < 1:
         p.error(f"--max-consecutive-step-errors must be >= 1, got {a.max_consecutive_step_errors}")
-    check_model_args(p, a, one_rank="--pd-role" if a.pd_role else None)
+    check_model_args(p, a)
     return a
 
 
@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     if engine.parallel.rank != 0:  # a multi-rank preset: rank 0 serves, the others follow its engine loop
         for sig in (signal.SIGINT, signal.SIGTERM):  # and stop when rank 0 stops (it drains first)
             signal.signal(sig, lambda *_: None)
+        if connector is not None:
+            connector.bind(async_engine, None)
         async_engine.run_worker()
         par.destroy_parallel()
         return 0

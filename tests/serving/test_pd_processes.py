@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from pathlib import Path
 
@@ -140,4 +141,40 @@ def test_a_side_that_dies_ends_its_requests_and_frees_the_other_side(checkpoint,
         assert client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3).usage.completion_tokens == 3
     finally:
         for x in (router, decode, prefill):
+            x.stop()
+
+
+@pytest.mark.slow
+def test_pd_over_multi_rank_instances_equals_one_process(checkpoint, model_and_tokenizer):
+    """P on two attention-TP ranks, D on two DP ranks with expert parallelism (torchrun, gloo): requests spread over
+    D's DP ranks, each prefilled by P's ranks and written into the D rank that holds it; greedy answers equal the
+    single-process engine's, and the pools rank 0 reports are full afterwards."""
+    p_port, d_port, r_port = free_port(), free_port(), free_port()
+    p_url, d_url, url = (f"http://127.0.0.1:{x}" for x in (p_port, d_port, r_port))
+    common = ["--weights", str(checkpoint), "--dtype", "fp32", "--served-model-name", "tiny"]
+    instances = [
+        Instance(["bash", str(RUN_SH), "--serve", "--port", str(p_port), "--pd-role", "prefill", "--config",
+                  "configs/tiny-cpu-tp2.yaml", *common], p_url),
+        Instance(["bash", str(RUN_SH), "--serve", "--port", str(d_port), "--pd-role", "decode", "--pd-bootstrap",
+                  p_url, "--config", "configs/tiny-cpu-dp2-ep2.yaml", *common], d_url),
+        Instance([sys.executable, "-m", "common.serving.router", "--prefill", p_url, "--upstream", d_url,
+                  "--port", str(r_port), "--health-interval", "0.3"], url)]
+    try:
+        for x in instances:
+            x.start()
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        prompts = [[5, 6, 7], [i % 500 + 2 for i in range(40)], [9] * 17, [i % 300 + 3 for i in range(70)]]
+        expected = [o.text for o in LLM(*model_and_tokenizer).generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+        kw = dict(model="tiny", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        with ThreadPoolExecutor(4) as pool:  # at once: both of D's DP ranks take some
+            got = list(pool.map(lambda p: client.completions.create(prompt=p, **kw).choices[0].text, prompts))
+        assert got == expected
+        streamed = "".join(c.choices[0].text for c in client.completions.create(prompt=prompts[1], stream=True, **kw))
+        assert streamed == expected[1]
+        info = json.loads(http("GET", p_url + "/pd/info", timeout=5)[2])  # rank 0 writes for P's one DP rank
+        assert info["transfers"]["num_transfers"] == 5 and info["transfers"]["num_failed"] == 0
+        assert wait_for(lambda: metric(d_url, "kv_cache_usage") == 0 and metric(p_url, "kv_cache_usage") == 0, 10)
+    finally:
+        for x in reversed(instances):
             x.stop()
