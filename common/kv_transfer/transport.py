@@ -37,7 +37,7 @@ class KVTransport(ABC):
 
 class MooncakeTransport(KVTransport):
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = ""):
-        os.environ.setdefault("GLOG_minloglevel", "2")  # the engine logs every handshake at INFO / WARNING
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # it logs every handshake at INFO / WARNING otherwise
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:  # the wheel is missing, or its libibverbs.so.1 (Debian: libibverbs1)

@@ -85,6 +85,7 @@ def test_streamed_chat_n_echo_and_seeded_equal_colocated(pd, colocated):
     ids = prompts([30])[0]
     for kw in [dict(prompt=ids, max_tokens=10, temperature=0, n=2),
                dict(prompt=ids, max_tokens=6, temperature=0, echo=True, logprobs=1),
+               dict(prompt=ids, max_tokens=0, echo=True, logprobs=2),  # score the prompt: P's log-probs, no token
                dict(prompt=ids, max_tokens=10, temperature=0.9, top_p=0.9, seed=11),
                dict(prompt="stop here", max_tokens=10, temperature=0, stop=["e"])]:
         ref = colocated.completions.create(model=MODEL, extra_body={"ignore_eos": True}, **kw)
