@@ -320,7 +320,7 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
                                             "max_model_len": engine.config.max_model_len}]}
 
     if isinstance(connector, PrefillConnector):
-        add_prefill_routes(app, async_engine, connector)
+        add_prefill_routes(app, async_engine, connector, [Depends(check_api_key)])  # D sends the same key
 
     @app.get("/health")
     async def health():

@@ -44,8 +44,9 @@ class DecodeConnector:
     to every rank as a command."""
 
     def __init__(self, transport: KVTransport, bootstrap_urls: list[str], transfer_timeout: float = 600.0,
-                 abort_timeout: float = 30.0):
+                 abort_timeout: float = 30.0, api_key: str | None = None):
         self.transport = transport
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # P's /pd routes check it
         self.layout: CacheLayout | None = None  # the engine's cache tensors, registered at bind
         self.prefill_urls = {u.rstrip("/") for u in bootstrap_urls}
         self.transfer_timeout, self.abort_timeout = transfer_timeout, abort_timeout
@@ -65,6 +66,7 @@ class DecodeConnector:
         self.tp_rank = par.group_rank(async_engine.parallel.group("attn_tp"))
         if loop is not None:
             self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.transfer_timeout, connect=10.0),
+                                            headers=self.headers,
                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     def check_prefill_url(self, url: str) -> str:

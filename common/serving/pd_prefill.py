@@ -223,8 +223,13 @@ class AbortBody(BaseModel):
     room: str
 
 
-def add_prefill_routes(app: FastAPI, async_engine: AsyncLLMEngine, connector: PrefillConnector) -> None:
-    @app.post("/pd/prefill")
+def add_prefill_routes(app: FastAPI, async_engine: AsyncLLMEngine, connector: PrefillConnector,
+                       dependencies: list = ()) -> None:
+    """The /pd routes, behind `dependencies` (the server's API-key check: whoever may post /pd/prefill decides where
+    this instance writes)."""
+    dependencies = list(dependencies)
+
+    @app.post("/pd/prefill", dependencies=dependencies)
     async def prefill(body: PrefillBody, raw: Request):
         for target in body.targets:
             if (why := connector.layout.mismatch(CacheLayout.from_description(target.layout))) is not None:
@@ -247,7 +252,7 @@ def add_prefill_routes(app: FastAPI, async_engine: AsyncLLMEngine, connector: Pr
         finally:
             connector.close_room(body.room, room)
 
-    @app.post("/pd/abort")
+    @app.post("/pd/abort", dependencies=dependencies)
     async def abort(body: AbortBody):
         stopped = await connector.abort(body.room)
         if not stopped:
@@ -255,7 +260,7 @@ def add_prefill_routes(app: FastAPI, async_engine: AsyncLLMEngine, connector: Pr
                                        f"{connector.abort_timeout:.0f} s", "timeout")
         return {"room": body.room, "released": True}
 
-    @app.get("/pd/info")
+    @app.get("/pd/info", dependencies=dependencies)
     async def info():
         return {"role": "prefill", "address": connector.transport.address, "layout": connector.layout.signature(),
                 "transfers": dataclasses.asdict(connector.stats)}

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         except RuntimeError as e:
             fail(e)
         connector = (PrefillConnector(transport) if a.pd_role == "prefill" else
-                     DecodeConnector(transport, a.pd_bootstrap, a.pd_transfer_timeout))
+                     DecodeConnector(transport, a.pd_bootstrap, a.pd_transfer_timeout, api_key=a.api_key))
     try:
         engine = LLMEngine(model, tokenizer, config, kv_connector=connector)
     except ValueError as e:  # settings that can never run (checked when the engine is built)

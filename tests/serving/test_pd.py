@@ -32,7 +32,7 @@ def tokenizer(checkpoint):
 def pd(checkpoint, tokenizer):
     prefill = PrefillConnector(MooncakeTransport())
     with running_server(load_model(checkpoint, torch.float32), tokenizer, kv_connector=prefill, **ENGINE) as (p_url, p):
-        decode = DecodeConnector(MooncakeTransport(), [p_url], transfer_timeout=60)
+        decode = DecodeConnector(MooncakeTransport(), [p_url], transfer_timeout=60, api_key=API_KEY)
         with running_server(load_model(checkpoint, torch.float32), tokenizer, kv_connector=decode,
                             **ENGINE) as (d_url, d):
             with serve_app(build_router([d_url], 0.2, prefill_urls=[p_url])) as (url, _):
@@ -138,6 +138,14 @@ def test_bad_input_through_the_router_is_answered_as_colocated(pd, colocated_ser
     assert error_of(http("POST", pd["url"] + path, body)) == error_of(http("POST", colocated_server[0] + path, body))
 
 
+def test_the_pd_routes_are_behind_the_api_key(pd):
+    body = {"room": "x", "prompt_token_ids": [5], "sampling_params": {}, "targets": []}
+    for path, data in (("/pd/prefill", body), ("/pd/abort", {"room": "x"})):
+        status, err = error_of(http("POST", pd["p_url"] + path, data))
+        assert status == 401 and err["error"]["type"] == "authentication_error"
+    assert http("GET", pd["p_url"] + "/pd/info")[0] == 401 and http("GET", pd["p_url"] + "/pd/info", headers=AUTH)[0] == 200
+
+
 def test_the_prefill_header_is_checked(pd, colocated_server):
     body = {"prompt": "hi", "max_tokens": 2}
     status, err = error_of(http("POST", pd["d_url"] + "/v1/completions", body, {**AUTH, "X-PD-Prefill": "http://evil"}))
@@ -196,7 +204,7 @@ def test_50_requests_aborted_at_random_points_leave_every_pool_full(pd, colocate
 
 def test_requests_that_do_not_fit_decode_wait_there(checkpoint, tokenizer, pd, colocated):
     """A decode instance with blocks for about two of these requests at once: the rest wait at D, none is dropped."""
-    decode = DecodeConnector(MooncakeTransport(), [pd["p_url"]], transfer_timeout=60)
+    decode = DecodeConnector(MooncakeTransport(), [pd["p_url"]], transfer_timeout=60, api_key=API_KEY)
     with running_server(load_model(checkpoint, torch.float32), tokenizer, kv_connector=decode,
                         **{**ENGINE, "num_blocks": 14}) as (d_url, d):
         with serve_app(build_router([d_url], 0.2, prefill_urls=[pd["p_url"]])) as (url, _):
