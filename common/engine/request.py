@@ -36,16 +36,22 @@ class Request:
     generator: torch.Generator | None = None
     detokenizer: object | None = field(default=None, repr=False)  # the engine's IncrementalDetokenizer
     spec_token_ids: list[int] = field(default_factory=list)  # MTP drafts of the tokens after the last one
-    # PD disaggregation (vLLM's names). do_remote_prefill (decode instance): the prompt's KV and first token come
-    # from a prefill instance into blocks allocated here. do_remote_decode (prefill instance): when the request
-    # finishes its prefill, its blocks are held until the KV connector has sent them. kv_transfer_params: what the
-    # connector needs (where to, which blocks).
-    do_remote_prefill: bool = False
-    do_remote_decode: bool = False
+    # PD disaggregation: what the KV connector needs (where from / to, which blocks), with vLLM's flags (below)
     kv_transfer_params: dict | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self.generator = make_generator(self.sampling_params.seed)
+
+    @property
+    def do_remote_prefill(self) -> bool:
+        """Decode instance: the prompt's KV and first token come from a prefill instance into blocks allocated here."""
+        return bool(self.kv_transfer_params and self.kv_transfer_params.get("do_remote_prefill"))
+
+    @property
+    def do_remote_decode(self) -> bool:
+        """Prefill instance: once the request finished its prefill, its blocks are held until the KV connector has
+        sent them."""
+        return bool(self.kv_transfer_params and self.kv_transfer_params.get("do_remote_decode"))
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -165,9 +165,9 @@ class Scheduler:
 
     def remote_prefill_done(self, req: Request) -> None:
         """The prefill instance wrote the prompt's KV into the request's blocks: it runs from here on (a later
-        preemption recomputes it here)."""
+        preemption recomputes it here: it is no longer a remote prefill)."""
         del self.receiving[req.request_id]
-        req.num_computed_tokens, req.status, req.do_remote_prefill = req.num_prompt_tokens, RequestStatus.RUNNING, False
+        req.num_computed_tokens, req.status, req.kv_transfer_params = req.num_prompt_tokens, RequestStatus.RUNNING, None
         self.running.append(req)
 
     def finish(self, req: Request, reason: str) -> None:

@@ -74,7 +74,7 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
             async_engine.start()
         yield
         await asyncio.to_thread(async_engine.shutdown, drain_timeout)
-        if hasattr(connector, "aclose"):
+        if connector is not None:
             await connector.aclose()
 
     app = FastAPI(title="npu-cookbook OpenAI-compatible server", lifespan=lifespan)

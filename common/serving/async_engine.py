@@ -94,7 +94,7 @@ class AsyncLLMEngine:
         if self.num_pending >= self.max_waiting:
             raise EngineOverloaded(f"{self.num_pending} requests pending, the limit is {self.max_waiting}")
         req = self.engine.make_request(prompt, params, request_id)
-        _set_kv_transfer(req, kv_transfer_params)
+        req.kv_transfer_params = kv_transfer_params
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
         self._commands.append(("add", req))
@@ -199,7 +199,8 @@ class AsyncLLMEngine:
             kind, arg = self._commands.popleft()
             if kind == "add" and self.parallel.world_size > 1:
                 owner = self._balance.assign(arg.request_id, request_cost(arg))
-                arg = (arg.request_id, arg.prompt_token_ids, arg.sampling_params, arg.prompt), arg.kv_transfer_params, owner
+                fields = arg.request_id, arg.prompt_token_ids, arg.sampling_params, arg.prompt
+                arg = fields, arg.kv_transfer_params, owner
             elif kind == "add":
                 arg = arg, None, 0
             yield kind, arg
@@ -208,19 +209,11 @@ class AsyncLLMEngine:
         if owner != par.group_rank(self.engine.dp_group):
             return  # another DP rank's
         if not isinstance(req, Request):
-            req = Request(*req)
-            _set_kv_transfer(req, kv_transfer_params)
+            req = Request(*req, kv_transfer_params=kv_transfer_params)
         try:
             self.engine.add(req)
         except ValueError as e:  # an id in use: this request's fault, not the engine's
             self._deliver(req.request_id, e)
-
-
-def _set_kv_transfer(req: Request, params: dict | None) -> None:
-    if params:
-        req.kv_transfer_params = params
-        req.do_remote_prefill = bool(params.get("do_remote_prefill"))
-        req.do_remote_decode = bool(params.get("do_remote_decode"))
 
 
 def _as_list(out) -> list:

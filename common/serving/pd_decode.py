@@ -18,15 +18,13 @@ Faults, each ending the request in bounded time with its blocks freed only when 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 
-from common import parallel as par
-from common.kv_transfer import CacheLayout, KVTransport
+from common.kv_transfer import KVTransport
 
 from .async_engine import AsyncLLMEngine
-from .pd_protocol import logprobs_from_json
+from .pd_protocol import PDConnector, logprobs_from_json
 
 try:
     import httpx2 as httpx  # what openai 3.x installs
@@ -36,7 +34,7 @@ except ImportError:  # pragma: no cover
 logger = logging.getLogger("npu_cookbook.pd")
 
 
-class DecodeConnector:
+class DecodeConnector(PDConnector):
     """The engine's KV connector on a decode instance (see common/engine/llm_engine.py). Every rank of the instance
     has one; rank 0's also talks to the prefill instances. A rank that admits a request sends rank 0 its target (its
     transfer address, cache layout and block ids); once every attention-TP peer of that DP rank has (they hold the
@@ -45,25 +43,19 @@ class DecodeConnector:
 
     def __init__(self, transport: KVTransport, bootstrap_urls: list[str], transfer_timeout: float = 600.0,
                  abort_timeout: float = 30.0, api_key: str | None = None):
-        self.transport = transport
+        super().__init__(transport)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # P's /pd routes check it
-        self.layout: CacheLayout | None = None  # the engine's cache tensors, registered at bind
         self.prefill_urls = {u.rstrip("/") for u in bootstrap_urls}
         self.transfer_timeout, self.abort_timeout = transfer_timeout, abort_timeout
-        self.outbox: collections.deque = collections.deque()  # messages for rank 0, from the engine thread
         self.targets: dict[str, dict] = {}  # rank 0: per room, the load messages so far
         self.tasks: dict[str, asyncio.Task] = {}  # rank 0: the /pd/prefill calls in flight
-        self.async_engine: AsyncLLMEngine | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.client: httpx.AsyncClient | None = None
 
     def bind(self, async_engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop | None) -> None:
         """At start: register the engine's cache tensors; rank 0 (with the server's loop) makes the HTTP calls."""
-        self.async_engine, self.loop = async_engine, loop
-        self.layout = CacheLayout.from_tensors(async_engine.engine.model.cache_tensors())
-        self.transport.register(self.layout.regions())
-        self.num_tp = par.group_size(async_engine.parallel.group("attn_tp"))
-        self.tp_rank = par.group_rank(async_engine.parallel.group("attn_tp"))
+        super().bind(async_engine, loop)
+        self.loop, self.layout_description = loop, self.layout.describe()  # sent with every request
         if loop is not None:
             self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.transfer_timeout, connect=10.0),
                                             headers=self.headers,
@@ -78,11 +70,8 @@ class DecodeConnector:
         return url
 
     # the engine's thread, on the ranks that own the request
-    def start_send(self, request, block_table) -> None:
-        raise RuntimeError("a decode instance does not send KV")
-
     def start_load(self, request, block_table: dict[str, list[int]]) -> None:
-        target = {"peer": self.transport.address, "layout": self.layout.describe(),
+        target = {"peer": self.transport.address, "layout": self.layout_description,
                   "block_tables": {g: list(t) for g, t in block_table.items()}}
         body = None
         if self.tp_rank == 0:  # the request itself, once
@@ -93,12 +82,6 @@ class DecodeConnector:
 
     def cancel_load(self, request_id: str) -> None:
         self.outbox.append(("cancel", request_id))
-
-    def take_messages(self) -> list:
-        out = []
-        while self.outbox:
-            out.append(self.outbox.popleft())
-        return out
 
     def on_command(self, payload):
         """Every rank: ("loaded", room, answer) or ("failed", room, error | None: aborted); the outputs it makes."""

@@ -33,12 +33,11 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
-from common import parallel as par
 from common.engine import SamplingParams
 from common.kv_transfer import CacheLayout, KVTransport
 
 from .async_engine import AsyncLLMEngine, EngineOverloaded
-from .pd_protocol import logprobs_to_json
+from .pd_protocol import PDConnector, logprobs_to_json
 from .responses import error_response, run_unless_disconnected
 
 logger = logging.getLogger("npu_cookbook.pd")
@@ -63,39 +62,31 @@ class TransferStats:
     num_aborted: int = 0
 
 
-class PrefillConnector:
+def remember(keys: collections.OrderedDict, key: str) -> None:
+    """Add key to a bounded record (the oldest of more than TOMBSTONES keys are forgotten)."""
+    keys[key] = None
+    while len(keys) > TOMBSTONES:
+        keys.popitem(last=False)
+
+
+class PrefillConnector(PDConnector):
     """The engine's KV connector on a prefill instance (see common/engine/llm_engine.py). Every rank has one; rank
     0's serves the /pd routes. The request's targets (one per rank of the decode instance that holds it) travel
     with it to the DP rank that prefills it, whose first attention-TP rank writes them (its TP peers hold the same
     cache); "sent" and "ack" messages come back to rank 0; aborts reach every rank as commands."""
 
     def __init__(self, transport: KVTransport, abort_timeout: float = 30.0):
-        self.transport, self.abort_timeout = transport, abort_timeout
-        self.layout: CacheLayout | None = None  # the engine's cache tensors, registered at bind
+        super().__init__(transport)
+        self.abort_timeout = abort_timeout
         self.rooms: dict[str, Room] = {}  # rank 0
         self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()  # rank 0: aborted rooms
         self.aborted: collections.OrderedDict[str, None] = collections.OrderedDict()  # every rank: rooms not to send
         self.sending: set[str] = set()  # this rank's rooms being written
-        self.outbox: collections.deque = collections.deque()  # messages for rank 0 (engine and sender threads)
         self.lock = threading.Lock()
         self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
         self.stats = TransferStats()
-        self.async_engine: AsyncLLMEngine | None = None
-
-    def bind(self, async_engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop | None) -> None:
-        """At start: register the engine's cache tensors with the transport."""
-        self.async_engine = async_engine
-        self.layout = CacheLayout.from_tensors(async_engine.engine.model.cache_tensors())
-        self.transport.register(self.layout.regions())
-        self.tp_rank = par.group_rank(async_engine.parallel.group("attn_tp"))
 
     # the engine's thread, on the ranks that own the request
-    def start_load(self, request, block_table) -> None:
-        raise RuntimeError("a prefill instance does not receive KV")
-
-    def cancel_load(self, request_id: str) -> None:
-        raise RuntimeError("a prefill instance does not receive KV")
-
     def start_send(self, request, block_table: dict[str, list[int]]) -> None:
         rid = request.request_id
         if self.tp_rank == 0 and rid not in self.aborted:
@@ -108,19 +99,11 @@ class PrefillConnector:
         if self.tp_rank == 0:
             self.outbox.append(("sent", rid, "aborted"))
 
-    def take_messages(self) -> list:
-        out = []
-        while self.outbox:
-            out.append(self.outbox.popleft())
-        return out
-
     def on_command(self, payload) -> None:
         """Every rank: ("abort", room): no write for the room starts after this; if this rank would write it, it
         tells rank 0 once none is under way ("ack" now, or "sent" when the writes in flight end)."""
         _, rid = payload
-        self.aborted[rid] = None
-        while len(self.aborted) > TOMBSTONES:
-            self.aborted.popitem(last=False)
+        remember(self.aborted, rid)
         scheduler = self.async_engine.engine.scheduler
         if self.tp_rank == 0 and rid in scheduler.requests:
             with self.lock:
@@ -190,9 +173,7 @@ class PrefillConnector:
 
     async def abort(self, rid: str) -> bool:
         """No write for the room after this returns True (False: the writes did not stop within abort_timeout)."""
-        self.tombstones[rid] = None
-        while len(self.tombstones) > TOMBSTONES:
-            self.tombstones.popitem(last=False)
+        remember(self.tombstones, rid)
         room = self.rooms.get(rid)
         self.async_engine.send_kv_command(("abort", rid))
         self.async_engine.abort(rid)  # still prefilling: the engine frees it (unknown ids are ignored)
@@ -203,6 +184,9 @@ class PrefillConnector:
         for w in pending:
             w.cancel()
         return bool(done)
+
+    async def aclose(self) -> None:
+        self.sender.shutdown(wait=False)
 
 
 class Target(BaseModel):
@@ -234,7 +218,7 @@ def add_prefill_routes(app: FastAPI, async_engine: AsyncLLMEngine, connector: Pr
         for target in body.targets:
             if (why := connector.layout.mismatch(CacheLayout.from_description(target.layout))) is not None:
                 return error_response(400, f"the decode instance's KV cache differs from this one's ({why}): run "
-                                           "P and D with the same checkpoint, preset and dtype",
+                                           "P and D with the same checkpoint, dtype and MTP setting",
                                       "invalid_request_error")
         try:
             sp = SamplingParams(**body.sampling_params)

@@ -1,8 +1,12 @@
-"""What the PD roles and the router agree on: the header that names a request's prefill instance, and the JSON
-form of log-probs in the prefill instance's answer."""
+"""What the PD roles and the router share: the header that names a request's prefill instance, the JSON form of
+log-probs in the prefill instance's answer, and the part of a KV connector both roles have."""
 from __future__ import annotations
 
+import collections
+
+from common import parallel as par
 from common.engine.sampler import TokenLogprobs
+from common.kv_transfer import CacheLayout, KVTransport
 
 PREFILL_HEADER = "x-pd-prefill"  # router -> decode instance: the base URL of the prefill instance to use
 
@@ -18,3 +22,32 @@ def logprobs_from_json(data: list | None) -> list[TokenLogprobs | None] | None:
         return None
     return [None if d is None else TokenLogprobs(int(d[0]), float(d[1]), [(int(i), float(v)) for i, v in d[2]])
             for d in data]
+
+
+class PDConnector:
+    """Both roles' KV connector (see common/engine/llm_engine.py and common/serving/async_engine.py): the transport,
+    the engine's cache layout registered with it at bind, this rank's place in its attention-TP group, and the
+    outbox of messages for rank 0 (appended from the engine and sender threads, drained after each step)."""
+
+    def __init__(self, transport: KVTransport):
+        self.transport = transport
+        self.layout: CacheLayout | None = None
+        self.outbox: collections.deque = collections.deque()
+        self.async_engine = None
+
+    def bind(self, async_engine, loop) -> None:
+        """At start, on every rank (loop: the server's event loop on rank 0, None elsewhere)."""
+        self.async_engine = async_engine
+        self.layout = CacheLayout.from_tensors(async_engine.engine.model.cache_tensors())
+        self.transport.register(self.layout.regions())
+        tp = async_engine.parallel.group("attn_tp")
+        self.num_tp, self.tp_rank = par.group_size(tp), par.group_rank(tp)
+
+    def take_messages(self) -> list:
+        out = []
+        while self.outbox:
+            out.append(self.outbox.popleft())
+        return out
+
+    async def aclose(self) -> None:
+        """At server shutdown, on rank 0."""

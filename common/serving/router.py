@@ -9,7 +9,8 @@ chunk by chunk as they arrive; other answers pass through with their status code
 an instance included). An instance that refuses the connection or times out is marked down and the request
 is tried once more on another one; a background task polls every instance's `/health` each health_interval
 seconds and marks it down (no answer, 5xx) or up (answers). A client that goes away mid-stream closes the
-upstream stream, so the instance aborts the request and frees its KV blocks.
+upstream stream, so the instance aborts the request and frees its KV blocks; one that goes away before the answer
+starts (a whole response, or a stream before its first byte) cancels the upstream request the same way.
 
 `GET /v1/models` comes from any live instance, `GET /health` is 200 while one instance is up, and
 `GET /router/stats` lists url, up, outstanding and served per instance. With no instance up, requests get 503
@@ -35,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .pd_protocol import PREFILL_HEADER
+from .responses import run_unless_disconnected
 
 try:
     import httpx2 as httpx  # what openai 3.x installs
@@ -125,12 +127,17 @@ class Router:
                 return self.unavailable("prefill")
             headers[PREFILL_HEADER] = prefill.url
             prefill.outstanding += 1
-        try:
-            return await self._forward(path, body, headers, prefill)
+        try:  # a client gone before the answer starts cancels the upstream request (the instance then aborts it)
+            finished, response = await run_unless_disconnected(request, self._forward(path, body, headers, prefill))
         except BaseException:
             if prefill is not None:
                 prefill.outstanding -= 1
             raise
+        if not finished:
+            if prefill is not None:
+                prefill.outstanding -= 1
+            return Response(status_code=499)  # nobody is listening
+        return response
 
     async def _forward(self, path: str, body: bytes, headers: dict, prefill: Upstream | None) -> Response:
         tried: tuple[Upstream, ...] = ()

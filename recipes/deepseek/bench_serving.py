@@ -19,7 +19,8 @@ written here if missing); the target is server/offline >= 0.85x at concurrency 1
 --pd P:D benches PD disaggregation against colocated serving in one run: the same requests through `run.sh
 --serve` and then through `run.sh --serve --pd P:D` (both launched here, one after the other), side by side with
 PD / colocated ratios, and the KV transfer throughput (P's /pd/info: bytes written / seconds in the transfer
-engine) against a plain memory copy of the same bytes per transfer, timed here after the runs.
+engine) against a plain memory copy of the same bytes per transfer and against the same writes between two idle
+transfer engines, both timed here after the runs.
 --long-input-len N --long-every K makes every K-th prompt N tokens long (a mixed workload: long prefills among
 short ones, the decode stalls PD removes).
 """
@@ -318,6 +319,29 @@ def memcpy_gb_s(nbytes: int, reps: int) -> float:
     return nbytes * reps / (time.perf_counter() - t0) / 1e9
 
 
+def idle_transfer_gb_s(nbytes: int, num_writes: int, reps: int) -> float:
+    """The same transfer between two idle Mooncake engines in this process (nbytes in num_writes equal writes, TCP
+    on loopback), median of reps: GB/s."""
+    import torch
+
+    from common.kv_transfer import MooncakeTransport
+
+    src, dst = torch.ones(max(1, nbytes), dtype=torch.uint8), torch.zeros(max(1, nbytes), dtype=torch.uint8)
+    a_side, b_side = MooncakeTransport(), MooncakeTransport()
+    a_side.register([(src.data_ptr(), src.numel())])
+    b_side.register([(dst.data_ptr(), dst.numel())])
+    step = src.numel() // max(1, num_writes)
+    offsets = [i * step for i in range(max(1, num_writes))]
+    lengths = [step] * (len(offsets) - 1) + [src.numel() - offsets[-1]]
+    times = []
+    for _ in range(reps + 1):  # the first connects
+        t0 = time.perf_counter()
+        a_side.write(b_side.address, [src.data_ptr() + o for o in offsets], [dst.data_ptr() + o for o in offsets],
+                     lengths)
+        times.append(time.perf_counter() - t0)
+    return nbytes / sorted(times[1:])[reps // 2] / 1e9
+
+
 def pd_main(a, prompts) -> int:
     """Colocated, then PD, with the same requests; the comparison and the transfer throughput."""
     runs, transfers = {}, None
@@ -343,11 +367,14 @@ def pd_main(a, prompts) -> int:
         per = transfers["bytes"] // transfers["num_transfers"]
         engine_gb_s = transfers["bytes"] / max(transfers["seconds"], 1e-9) / 1e9
         copy_gb_s = memcpy_gb_s(per, transfers["num_transfers"])
-        report["transfer_gb_s"], report["memcpy_gb_s"] = engine_gb_s, copy_gb_s
+        writes = round(transfers["num_writes"] / transfers["num_transfers"])
+        idle_gb_s = idle_transfer_gb_s(per, writes, 21)
+        report.update(transfer_gb_s=engine_gb_s, memcpy_gb_s=copy_gb_s, idle_transfer_gb_s=idle_gb_s)
         print(f"\nKV transfer: {transfers['num_transfers']} requests, {transfers['bytes'] / 2**20:.1f} MiB in "
               f"{transfers['num_writes']} writes ({per / 2**20:.2f} MiB a request), {transfers['seconds']:.3f} s in "
               f"the transfer engine: {engine_gb_s:.2f} GB/s; memory copy of the same bytes here: {copy_gb_s:.2f} GB/s "
-              f"(transfer / copy {engine_gb_s / copy_gb_s:.2f}x)")
+              f"(transfer / copy {engine_gb_s / copy_gb_s:.3f}x); the same {writes} writes between two idle "
+              f"transfer engines here: {idle_gb_s:.2f} GB/s")
     if a.json:
         a.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {a.json}")

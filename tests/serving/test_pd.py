@@ -19,7 +19,8 @@ from weights_deepseek_v4 import load_model
 
 from serving_harness import API_KEY, MODEL, free_port, http, running_server, serve_app, wait_until
 
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=24, block_size=16)  # prompts over 24 tokens: chunked on P
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=24, block_size=16)
+P_ENGINE = {**ENGINE, "max_num_batched_tokens": 8}  # P prefills in chunks of 8 (and slowly enough to be interrupted)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -31,7 +32,8 @@ def tokenizer(checkpoint):
 @pytest.fixture(scope="module")
 def pd(checkpoint, tokenizer):
     prefill = PrefillConnector(MooncakeTransport())
-    with running_server(load_model(checkpoint, torch.float32), tokenizer, kv_connector=prefill, **ENGINE) as (p_url, p):
+    p_model = load_model(checkpoint, torch.float32)
+    with running_server(p_model, tokenizer, kv_connector=prefill, **P_ENGINE) as (p_url, p):
         decode = DecodeConnector(MooncakeTransport(), [p_url], transfer_timeout=60, api_key=API_KEY)
         with running_server(load_model(checkpoint, torch.float32), tokenizer, kv_connector=decode,
                             **ENGINE) as (d_url, d):
@@ -164,11 +166,13 @@ def test_disconnects_mid_stream_and_mid_prefill_free_both_sides(pd):
         if n == 2:
             break
     stream.close()
-    with pytest.raises(openai.APITimeoutError):  # gone while P prefills 600 tokens in chunks of 24
-        client(pd, timeout=0.3).completions.create(model=MODEL, prompt=prompts([600])[0], max_tokens=4)
+    assert wait_until(lambda: pools_full(pd["p"], pd["d"]), timeout=30)
+    before = pd["p"].stats.prefill_tokens
+    with pytest.raises(openai.APITimeoutError):  # gone while P prefills 1,000 tokens in chunks of 8 (~0.8 s)
+        client(pd, timeout=0.3).completions.create(model=MODEL, prompt=prompts([1000])[0], max_tokens=4)
     assert wait_until(lambda: pools_full(pd["p"], pd["d"]), timeout=30), (pd["p"].kv_cache.usage(),
                                                                           pd["d"].kv_cache.usage())
-    assert pd["p"].stats.prefill_tokens < 10_000  # not still prefilling the abandoned prompt
+    assert pd["p"].stats.prefill_tokens - before < 1000  # P stopped prefilling the abandoned prompt
 
 
 def test_50_requests_aborted_at_random_points_leave_every_pool_full(pd, colocated):

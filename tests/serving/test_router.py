@@ -220,3 +220,12 @@ def test_client_disconnect_closes_upstream_stream(cluster):
     wait_for(lambda: "gone" in upstream.cancelled, timeout=3)
     assert "gone" not in upstream.finished
     wait_for(lambda: all(u["outstanding"] == 0 for u in stats(client).values()))
+
+
+def test_client_gone_before_the_answer_cancels_the_upstream_request(cluster):
+    """A whole response the client stops waiting for: the router drops its upstream request at once (the instance
+    sees the disconnect and aborts), it does not wait out the answer."""
+    a, b, router, client = cluster
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/completions", json={"model": "m", "prompt": [1], "delay": 5.0}, timeout=0.3)
+    wait_for(lambda: all(u["outstanding"] == 0 for u in stats(client).values()), timeout=3)  # before its 5 s
