@@ -51,7 +51,21 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     if x.dtype != torch.bfloat16:
         raise TypeError(f"oneDNN-packed bf16 weights take bf16 inputs, got {x.dtype}: the model was packed for "
                         "bf16 inference by common.cpu_gemm.pack_model (convert it before packing)")
+    if torch.compiler.is_compiling():  # one custom op, which torch.compile keeps as it is
+        return torch.ops.npu_cookbook.packed_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("npu_cookbook::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear on a packed weight (inductor's own oneDNN lowering expects a weight it froze itself, not one
+    packed before, so a compiled graph calls this instead)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@_packed_linear.register_fake
+def _(x, packed, bias):
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
 class PackedLinear(nn.Module):

@@ -20,6 +20,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0  # MTP drafts per decode step (the model's `mtp` blocks); 0: off
+    exe_mode: str = "eager"  # "graph": decode steps run as a graph captured per batch size (graph_runner.py)
+    graph_capture_sizes: tuple[int, ...] | None = None  # decode batch buckets; None: 1, 2, 4, .. and max_num_seqs
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
@@ -31,6 +33,16 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
         if not _is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 7:
             raise ValueError(f"num_speculative_tokens must be an int in [0, 7], got {self.num_speculative_tokens!r}")
+        if self.exe_mode not in EXE_MODES:
+            raise ValueError(f"exe_mode must be one of {', '.join(EXE_MODES)}, got {self.exe_mode!r}")
+        if self.graph_capture_sizes is not None:
+            sizes = self.graph_capture_sizes
+            if (not isinstance(sizes, (tuple, list)) or not sizes or not all(_is_int(n) and n >= 1 for n in sizes)
+                    or list(sizes) != sorted(set(sizes))):
+                raise ValueError(f"graph_capture_sizes must be increasing positive ints, got {sizes!r}")
+            if sizes[-1] > self.max_num_seqs:
+                raise ValueError(f"graph_capture_sizes go up to {sizes[-1]}, past max_num_seqs ({self.max_num_seqs})")
+            object.__setattr__(self, "graph_capture_sizes", tuple(sizes))
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -42,14 +54,23 @@ class EngineConfig:
                              "max_model_len, or enable chunked prefill")
 
     def resolve(self, model_max_len: int) -> "EngineConfig":
-        """This config with max_model_len set: the configured value capped at the model's (checked again)."""
-        return dataclasses.replace(self, max_model_len=min(self.max_model_len or model_max_len, model_max_len))
+        """This config with max_model_len set (the configured value capped at the model's) and, in graph mode, the
+        capture sizes (checked again)."""
+        sizes = self.graph_capture_sizes
+        if self.exe_mode == "graph" and sizes is None:
+            sizes = tuple(n for n in (1 << i for i in range(self.max_num_seqs.bit_length())) if n < self.max_num_seqs)
+            sizes += (self.max_num_seqs,)
+        return dataclasses.replace(self, max_model_len=min(self.max_model_len or model_max_len, model_max_len),
+                                   graph_capture_sizes=sizes)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> tuple["EngineConfig", dict]:
         """Split keyword arguments into this config and the rest."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items() if k not in names}
+
+
+EXE_MODES = ("eager", "graph")
 
 
 def _is_int(x) -> bool:

@@ -2,6 +2,13 @@
 
 Packed, token-major: T = the new tokens of all B scheduled sequences, in order. Cache groups are named by
 the model (see common.kv_cache.CacheGroupSpec); every group is a token-block table of `block_size` tokens.
+
+`max_seqlen_q` / `max_seqlen_k` (flash-attn's names) are host ints known when the batch is built: the longest new
+chunk and the longest kv length. Ops size their padded widths from them instead of reading tensors, so a step
+has no host sync and, in a padded decode batch (graph mode: `pad_to`, `table_width`, `max_seqlen_k` fixed per
+bucket), no shape that depends on the requests. Padding sequences have one token (id 0, position 0, kv length 1)
+whose every slot is row 0 of the null block 0: they write nowhere a real sequence reads, and real rows never see
+them.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ class ForwardBatch:
     block_size: int
     block_tables: dict[str, torch.Tensor]  # group -> [B, max_blocks] int32, null block 0 where absent
     slot_mapping: dict[str, torch.Tensor]  # group -> [T] int64, cache row of each new token
+    max_seqlen_q: int = 0  # host: the longest sequence's new tokens (1: a decode batch)
+    max_seqlen_k: int = 0  # host: the longest kv length (a padded decode batch: the bound it was built for)
 
     @property
     def num_seqs(self) -> int:
@@ -27,9 +36,22 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, new_tokens: list[list[int]], num_computed: list[int], block_tables: list[dict[str, list[int]]],
-              block_size: int, device=None) -> "ForwardBatch":
-        """new_tokens[b]: the tokens computed this step for sequence b, which already has num_computed[b] in cache."""
+              block_size: int, device=None, pad_to: int | None = None, table_width: int | None = None,
+              max_seqlen_k: int | None = None) -> "ForwardBatch":
+        """new_tokens[b]: the tokens computed this step for sequence b, which already has num_computed[b] in cache.
+        pad_to: append padding sequences up to this many; table_width: block-table columns (default: the widest
+        table); max_seqlen_k: the kv-length bound ops pad to (default: the longest kv length)."""
+        if pad_to is not None and pad_to > len(new_tokens):
+            n = pad_to - len(new_tokens)
+            groups = block_tables[0] if block_tables else ()
+            new_tokens, num_computed = [*new_tokens, *[[0]] * n], [*num_computed, *[0] * n]
+            block_tables = [*block_tables, *[{g: [] for g in groups}] * n]
         q_lens = [len(t) for t in new_tokens]
+        kv_lens = [c + n for c, n in zip(num_computed, q_lens)]
+        if table_width is not None and any(len(t[g]) > table_width for t in block_tables for g in t):
+            raise ValueError(f"a block table is wider than table_width {table_width}")
+        if max_seqlen_k is not None and max(kv_lens, default=0) > max_seqlen_k:
+            raise ValueError(f"a sequence holds {max(kv_lens)} tokens, past max_seqlen_k {max_seqlen_k}")
         positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_computed, q_lens)])  # [T]
         seq_ids = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))  # [T]
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
@@ -37,7 +59,7 @@ class ForwardBatch:
         tables, slots = {}, {}
         for group in block_tables[0] if block_tables else ():
             rows = [t[group] for t in block_tables]
-            table = torch.zeros(len(rows), max(map(len, rows), default=0) or 1, dtype=torch.int32)  # [B, M]
+            table = torch.zeros(len(rows), table_width or max(map(len, rows), default=0) or 1, dtype=torch.int32)
             for b, row in enumerate(rows):
                 table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
             tables[group] = table.to(device)
@@ -46,8 +68,9 @@ class ForwardBatch:
         return cls(
             input_ids=torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.long, device=device),
             positions=positions.to(device), seq_ids=seq_ids.to(device), cu_seqlens_q=cu.to(device),
-            seq_lens=torch.tensor([c + n for c, n in zip(num_computed, q_lens)], dtype=torch.int32, device=device),
-            block_size=block_size, block_tables=tables, slot_mapping=slots,
+            seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+            block_size=block_size, block_tables=tables, slot_mapping=slots, max_seqlen_q=max(q_lens, default=0),
+            max_seqlen_k=max_seqlen_k if max_seqlen_k is not None else max(kv_lens, default=0),
         )
 
     @classmethod

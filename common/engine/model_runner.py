@@ -9,6 +9,7 @@ from common import backend, cpu_gemm
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
+from .graph_runner import GraphRunner
 from .scheduler import ScheduledRequest
 
 
@@ -61,6 +62,10 @@ class ModelRunner:
         self.specs = model.cache_specs(config.block_size)
         self.num_blocks = dict(num_blocks)
         model.allocate_caches(self.num_blocks, config.block_size)
+        self.graphs = None  # exe_mode graph: the decode steps' compiled buckets
+        if config.exe_mode == "graph":
+            self.graphs = GraphRunner(model, config, self.device, keep_streams)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute_idle(self) -> None:
@@ -73,6 +78,9 @@ class ModelRunner:
         """Forward the scheduled tokens; logits for the rows that sample and for the prompt positions scored."""
         new_tokens = [s.request.all_token_ids[s.start : s.end - len(s.draft_token_ids)] + s.draft_token_ids
                       for s in scheduled]
+        if self.graphs is not None and self.graphs.bucket(len(scheduled)) is not None and all(
+                s.num_new_tokens == 1 and not s.prompt_logprob_positions for s in scheduled):
+            return self._execute_graph(scheduled, new_tokens, block_tables)
         batch = ForwardBatch.build(new_tokens, [s.start for s in scheduled], block_tables, self.config.block_size,
                                    self.device)
         streams = None
@@ -94,3 +102,14 @@ class ModelRunner:
         parts = logits[num_sampled:].split(counts)
         return ModelRunnerOutput(logits[:num_sampled], [p if n else None for p, n in zip(parts, counts)], streams,
                                  [end - s.num_new_tokens for s, end in zip(scheduled, ends)])
+
+    def _execute_graph(self, scheduled: list[ScheduledRequest], new_tokens: list[list[int]],
+                       block_tables: list[dict[str, list[int]]]) -> ModelRunnerOutput:
+        """A step of one-token sequences through its bucket's graph: the same output as `execute`'s."""
+        batch = self.graphs.build(new_tokens, [s.start for s in scheduled], block_tables)
+        logits, streams = self.graphs.run(batch)  # [bucket, V], [bucket, n, D] or None
+        rows = torch.tensor([b for b, s in enumerate(scheduled) if s.sample], dtype=torch.long, device=logits.device)
+        logits = logits[rows]
+        backend.synchronize()
+        n = len(scheduled)
+        return ModelRunnerOutput(logits.float(), [None] * n, None if streams is None else streams[:n], list(range(n)))

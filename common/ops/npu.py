@@ -99,9 +99,10 @@ def attention(
 
 def paged_attention(
     q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-    causal=True, sliding_window=None, sinks=None, return_lse=False,
+    causal=True, sliding_window=None, sinks=None, return_lse=False, max_seqlen_q=None, max_seqlen_k=None,
 ):
     # Caches read as (blocknum, blocksize, Hkv * D), a view; paged kv lengths are per sequence, not cumulative.
+    # The fused kernel takes the lengths themselves (host lists): the padded widths max_seqlen_* fix are not needed.
     v_cache = k_cache if v_cache is None else v_cache
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     return _fused_attention(
@@ -111,12 +112,11 @@ def paged_attention(
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
-    # npu_scatter_nd_update_ rejects out-of-range indices, so padding slots (< 0) are dropped first (a host sync).
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].view(-1, 1)  # [T', 1] rows of cache.view(-1, Hkv, D)
-    torch_npu.npu_scatter_nd_update_(k_cache.view(-1, *k_cache.shape[2:]), slots, k[keep])
+    # every slot is a cache row (padding writes to the null block), so no host sync drops any first
+    slots = slot_mapping.long().view(-1, 1)  # [T, 1] rows of cache.view(-1, Hkv, D)
+    torch_npu.npu_scatter_nd_update_(k_cache.view(-1, *k_cache.shape[2:]), slots, k)
     if v is not None:
-        torch_npu.npu_scatter_nd_update_(v_cache.view(-1, *v_cache.shape[2:]), slots, v[keep])
+        torch_npu.npu_scatter_nd_update_(v_cache.view(-1, *v_cache.shape[2:]), slots, v)
 
 
 # npu_sparse_flash_attention: its 2.14 docs cover the MLA use only (query_rope / key_rope, attention_mode) and

@@ -1,4 +1,5 @@
-"""The engine against transformers `generate` on the same ~200M-parameter DeepSeek-V4 checkpoint, in one run.
+"""The engine, eager and in graph mode, against transformers `generate` on the same ~200M-parameter DeepSeek-V4
+checkpoint, in one run.
 
     python bench.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
 
@@ -8,12 +9,16 @@ measures: decode tok/s at batch 1 and 16 (128-token prompts, 128 new tokens; dec
 generate(1), the same for both sides); a mixed workload (64 requests, prompt and output lengths uniform in [32,
 512], fixed seed) in total tok/s, transformers in static batches of 16; and the batch-1 decode roofline: active
 weight bytes per token (in the run's dtype) over the memory read bandwidth measured here by reading a buffer of the
-run's dtype at the run's thread count. Each row keeps each side's best of --repeats alternating runs. Prints the
-CPU (model and ISA), a progress bar while it measures, a table, one line of ratios and its wall time.
+run's dtype at the run's thread count. Each row keeps each side's best of --repeats alternating runs. The graph
+column is a second engine (its own copy of the model) with exe_mode graph: its start-up compile is timed, and so
+is a second start in a fresh process (inductor's on-disk cache warm). Prints the CPU (model and ISA), a progress
+bar while it measures, a table, one line of ratios and its wall time.
 """
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -112,10 +117,26 @@ def hf_generate(hf, batch: list[list[int]], new: int, pad: int):
                        pad_token_id=pad)
 
 
-def best_of(repeats: int, ours, theirs) -> tuple[float, float]:
-    """Each side's best throughput over `repeats` alternating runs (ours, theirs, ours, ...)."""
-    runs = [(ours(), theirs()) for _ in range(max(repeats, 1))]
-    return max(o for o, _ in runs), max(t for _, t in runs)
+def best_of(repeats: int, *sides) -> list[float]:
+    """Each side's best throughput over `repeats` alternating runs (eager, graph, theirs, eager, ...)."""
+    runs = [[side() for side in sides] for _ in range(max(repeats, 1))]
+    return [max(r[i] for r in runs) for i in range(len(sides))]
+
+
+ENGINE = dict(block_size=128, max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
+              kv_cache_memory_bytes=2 * 2**30)
+
+
+def graph_engine(dtype) -> LLM:
+    """The graph-mode engine on its own copy of the bench model."""
+    return LLM(load_model(BENCH, dtype), AutoTokenizer.from_pretrained(BENCH), exe_mode="graph", **ENGINE)
+
+
+def second_start(dtype_name: str, threads: int) -> float:
+    """Seconds a fresh process takes to compile the graph engine's buckets once this one has (the disk cache)."""
+    out = subprocess.run([sys.executable, __file__, "--startup-only", "--dtype", dtype_name, "--threads",
+                          str(threads)], capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
 
 
 def decode_tok_s(gen, batch_size: int, vocab: int, seed: int, new: int = 128, prompt_len: int = 128) -> float:
@@ -132,9 +153,14 @@ def main():
                    "transformers alternating, and keep each side's best (this VM's bandwidth drifts)")
     p.add_argument("--dtype", choices=[backend.AUTO, *sorted(backend.DTYPES)], default=backend.AUTO,
                    help="both sides' weights (auto: backend.default_dtype(), which follows the CPU)")
+    p.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)  # second_start's process
     a = p.parse_args()
     start = time.perf_counter()
     dtype, dtype_line = backend.resolve_dtype(a.dtype, None)
+    if a.startup_only:
+        torch.set_num_threads(a.threads)
+        print(graph_engine(dtype).engine.runner.graphs.capture_seconds)
+        return
     print(f"{dtype_line}; {backend.cpu_model_name()}, {backend.cpu_description()}", flush=True)
     torch.set_num_threads(a.threads)
     if not (BENCH / "config.json").exists():
@@ -145,21 +171,26 @@ def main():
     # counted before the engine packs the CPU bf16 weights (common.cpu_gemm), which are no parameters after that
     n_params = sum(p.numel() for p in model.parameters())
     per_token = weight_bytes_per_step(model)  # batch 1: the active weights of a token
-    llm = LLM(model, tok, block_size=128, max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              kv_cache_memory_bytes=2 * 2**30)
+    llm = LLM(model, tok, **ENGINE)
+    print("graph mode: compiling the decode buckets", flush=True)
+    llm_graph = graph_engine(dtype)
+    graphs = llm_graph.engine.runner.graphs
+    first_start = graphs.capture_seconds
+    warm_start = second_start(a.dtype, a.threads)
     hf = DeepseekV4ForCausalLM.from_pretrained(BENCH, dtype=dtype).eval()
     ours = lambda b, n: ours_generate(llm, b, n)  # noqa: E731
+    ours_graph = lambda b, n: ours_generate(llm_graph, b, n)  # noqa: E731
     theirs = lambda b, n: hf_generate(hf, b, n, pad=0)  # noqa: E731
-    for gen in (ours, theirs):  # warm-up
+    for gen in (ours, ours_graph, theirs):  # warm-up
         gen(prompts(2, 16, args.vocab_size, 99), 4)
 
     new = 16 if a.quick else 128
     rows = []
     bar = tqdm(total=5, desc="bench", unit="row")  # decode b1, decode b16, mixed, bandwidth, GEMM profiles
     for bs in (1, 16):
-        o, t = best_of(a.repeats, lambda: decode_tok_s(ours, bs, args.vocab_size, seed=bs, new=new),
-                       lambda: decode_tok_s(theirs, bs, args.vocab_size, seed=bs, new=new))
-        rows.append((f"decode tok/s, batch {bs}", o, t))
+        rows.append((f"decode tok/s, batch {bs}", *best_of(
+            a.repeats, *(lambda gen=gen: decode_tok_s(gen, bs, args.vocab_size, seed=bs, new=new)
+                         for gen in (ours, ours_graph, theirs)))))
         bar.update()
 
     n_req = 16 if a.quick else 64
@@ -170,34 +201,42 @@ def main():
     work = prompts(n_req, plens, args.vocab_size, seed=7)
     total = sum(plens) + sum(olens)
     static_batches = [(work[i : i + 16], max(olens[i : i + 16])) for i in range(0, n_req, 16)]
-    o, t = best_of(a.repeats, lambda: total / timed(lambda: ours_generate(llm, work, olens)),
-                   lambda: total / sum(timed(lambda: theirs(b, n)) for b, n in static_batches))
-    rows.append(("mixed workload total tok/s", o, t))
+    rows.append(("mixed workload total tok/s", *best_of(
+        a.repeats, lambda: total / timed(lambda: ours_generate(llm, work, olens)),
+        lambda: total / timed(lambda: ours_generate(llm_graph, work, olens)),
+        lambda: total / sum(timed(lambda: theirs(b, n)) for b, n in static_batches))))
     bar.update()
 
     bw = read_bandwidth(dtype)  # the run's dtype and threads
     bar.update()
     roofline = bw / per_token
-    floors = {bs: gemm_seconds_per_step(llm, bs, args.vocab_size) for bs in (1, 16)}  # GEMM s / step
+    floors = {bs: gemm_seconds_per_step(llm_graph, bs, args.vocab_size) for bs in (1, 16)}  # GEMM s / step
     bar.update()
     bar.close()
     print(f"\nDeepSeek-V4 bench checkpoint: {n_params / 1e6:.0f}M parameters, {per_token / 2**20:.0f} MiB active "
           f"weights per token ({backend.dtype_name(dtype)}); {a.threads} threads; "
           f"{backend.cpu_model_name()}, {backend.cpu_description()}; "
           f"read bandwidth {bw / 1e9:.1f} GB/s -> batch-1 roofline {roofline:.1f} tok/s")
-    print(f"{'metric':<30}{'engine':>12}{'transformers':>14}{'ratio':>8}")
-    for name, ours_v, theirs_v in rows:
-        print(f"{name:<30}{ours_v:>12.1f}{theirs_v:>14.1f}{ours_v / theirs_v:>7.2f}x")
-    b1_ours, b1_hf = rows[0][1], rows[0][2]
-    print(f"{'batch-1 roofline tok/s':<30}{roofline:>12.1f}{'':>14}")
-    for (name, ours_v, theirs_v), bs in zip(rows, (1, 16)):  # what the GEMMs alone allow
+    print(f"graph mode: {len(graphs.sizes)} buckets {list(graphs.sizes)} compiled in {first_start:.0f} s at start-up"
+          f", {warm_start:.0f} s in a second process (inductor's disk cache warm); graph steps per bucket "
+          f"{graphs.replays}")
+    print(f"{'metric':<30}{'eager':>10}{'graph':>10}{'transformers':>14}{'eager/tf':>10}{'graph/tf':>10}")
+    for name, eager_v, graph_v, theirs_v in rows:
+        print(f"{name:<30}{eager_v:>10.1f}{graph_v:>10.1f}{theirs_v:>14.1f}{eager_v / theirs_v:>9.2f}x"
+              f"{graph_v / theirs_v:>9.2f}x")
+    b1_eager, b1_graph, b1_hf = rows[0][1:]
+    print(f"{'batch-1 roofline tok/s':<30}{roofline:>10.1f}")
+    for (name, eager_v, graph_v, theirs_v), bs in zip(rows, (1, 16)):  # what the GEMMs alone allow
         floor = floors[bs]
-        print(f"batch {bs}: GEMMs alone take {floor * 1e3:.1f} ms a step ({bs / floor:.1f} tok/s): at most "
-              f"{bs / floor / theirs_v:.2f}x transformers if nothing else took time; the engine's step is "
-              f"{bs / ours_v * 1e3:.1f} ms, transformers' {bs / theirs_v * 1e3:.1f} ms")
-    print(f"ratios: batch1 {rows[0][1] / rows[0][2]:.2f}x, batch16 {rows[1][1] / rows[1][2]:.2f}x, "
-          f"mixed {rows[2][1] / rows[2][2]:.2f}x vs transformers; batch-1 decode at {roofline / b1_ours:.1f}x the "
-          f"roofline step time (transformers {roofline / b1_hf:.1f}x; the GEMMs alone {roofline * floors[1]:.1f}x)")
+        print(f"batch {bs}: GEMMs alone take {floor * 1e3:.1f} ms a graph step ({bs / floor:.1f} tok/s): at most "
+              f"{bs / floor / theirs_v:.2f}x transformers if nothing else took time; the step is "
+              f"{bs / eager_v * 1e3:.1f} ms eager, {bs / graph_v * 1e3:.1f} ms graph, transformers' "
+              f"{bs / theirs_v * 1e3:.1f} ms")
+    ratio = lambda i, j: rows[i][j] / rows[i][3]  # noqa: E731
+    print(f"ratios vs transformers (eager / graph): batch1 {ratio(0, 1):.2f}x / {ratio(0, 2):.2f}x, batch16 "
+          f"{ratio(1, 1):.2f}x / {ratio(1, 2):.2f}x, mixed {ratio(2, 1):.2f}x / {ratio(2, 2):.2f}x; batch-1 decode "
+          f"step at {roofline / b1_eager:.1f}x / {roofline / b1_graph:.1f}x the roofline (transformers "
+          f"{roofline / b1_hf:.1f}x; the GEMMs alone {roofline * floors[1]:.1f}x)")
     print(f"wall time {time.perf_counter() - start:.0f} s")
 
 

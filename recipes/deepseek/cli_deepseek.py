@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from common import backend
 from common import parallel as par
 from common.engine import EngineConfig
+from common.engine.config import EXE_MODES
 from common.loader import Checkpoint, CheckpointError
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import check_layout
@@ -39,6 +40,8 @@ def add_model_args(p: ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="overrides the preset's dtype")
     p.add_argument("--speculative-tokens", type=int, metavar="K", help="MTP speculative decoding with K drafts a "
                    "step (overrides the preset's speculative.num_speculative_tokens; 0: off)")
+    p.add_argument("--exe-mode", choices=EXE_MODES, help="graph: decode steps as graphs compiled per batch size at "
+                   "start-up (overrides the preset's exe_mode; default eager)")
 
 
 def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
@@ -56,6 +59,14 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     if "num_speculative_tokens" in (a.preset.get("engine") or {}):
         p.error(f"--config {a.config.name}: set speculative decoding as speculative: {{method: mtp, "
                 "num_speculative_tokens: K}, not in engine")
+    if "exe_mode" in (a.preset.get("engine") or {}):
+        p.error(f"--config {a.config.name}: set exe_mode at the top level of the preset (as upstream), not in engine")
+    a.exe_mode = a.exe_mode or a.preset.get("exe_mode", "eager")  # --exe-mode > the preset's > eager
+    if a.exe_mode not in EXE_MODES:
+        p.error(f"--config {a.config.name}: exe_mode {a.exe_mode!r}, expected one of {list(EXE_MODES)}")
+    if a.exe_mode == "graph" and a.layout.world_size > 1:
+        p.error(f"--config {a.config.name}: exe_mode graph runs one process in this version; this preset has "
+                f"{a.layout.world_size} ranks (run it with --exe-mode eager)")
     try:
         EngineConfig.from_kwargs(**(a.preset.get("engine") or {}))  # checked before any rank starts
     except (ValueError, TypeError) as e:
@@ -176,7 +187,7 @@ def load(a: argparse.Namespace):
         config, rest = EngineConfig.from_kwargs(**(a.preset.get("engine") or {}))
         if rest:
             raise ValueError(f"unknown engine settings in {a.config.name}: {sorted(rest)}")
-        config = dataclasses.replace(config, num_speculative_tokens=a.speculative_tokens)
+        config = dataclasses.replace(config, num_speculative_tokens=a.speculative_tokens, exe_mode=a.exe_mode)
         parallel = par.init_parallel(a.layout) if a.layout.world_size > 1 else None
         model = load_model(path, a.dtype, backend.device(), parallel=parallel, mtp=a.speculative_tokens > 0)
         return model, AutoTokenizer.from_pretrained(path), config

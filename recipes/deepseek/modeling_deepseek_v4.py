@@ -59,15 +59,12 @@ class Rope(nn.Module):
         self.dim = dim
         self.scale = float(yarn.get("attention_factor", 1.0)) if yarn else 1.0
         self.register_buffer("inv_freq", rope_inv_freq(dim, theta, yarn), persistent=False)
-        self._last = None  # (positions, (cos, sin)) of the last call
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._last is not None and self._last[0] is positions:  # every layer asks for the step's positions
-            return self._last[1]
+        """positions [T] -> (cos, sin) [T, dim], the interleaved pairs' angles scaled."""
         freqs = positions.float()[:, None] * self.inv_freq  # [T, dim/2]
         freqs = freqs.repeat_interleave(2, dim=-1)  # [T, dim] interleaved pairs
-        self._last = positions, (freqs.cos() * self.scale, freqs.sin() * self.scale)
-        return self._last[1]
+        return freqs.cos() * self.scale, freqs.sin() * self.scale
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, Dh] -> x with its last `dim` channels rotated."""
@@ -168,15 +165,24 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's projections, emit the entries completed by its tokens, and return every entry of
-        the batch's sequences: (entries [C, head_dim], cu_entries [B+1])."""
+        the batch's sequences: (entries [B * Wc, head_dim], cu_entries [B+1]), sequence b's entries at rows b * Wc..,
+        Wc = entries_width(batch) (the rows past its count are padding, masked by every reader).
+
+        No shape depends on the tokens' values: the tokens that complete an entry are the first M of the step's
+        tokens sorted done-first, M = T // ratio + B (at most that many complete one); rows past the done ones
+        pool too and write to row 0 of the null block 0, which no sequence reads."""
         r, d, bs = self.ratio, self.head_dim, batch.block_size
+        T, B = x.shape[0], batch.num_seqs
         proj = torch.cat([self.wkv(x), self.wgate(x)], dim=-1)  # [T, 2*width]
         ops.reshape_and_cache(proj[:, None], None, self.state, None, batch.slot_mapping[WINDOW])
-        done = ((batch.positions + 1) % r == 0).nonzero()[:, 0]  # tokens that complete an entry
-        if done.numel():
-            w = batch.positions[done] // r  # [M] entry index in its sequence
+        M = min(T, T // r + B)
+        if M:
+            is_done = (batch.positions + 1) % r == 0  # [T] tokens that complete an entry
+            rows = torch.sort(is_done.to(torch.uint8), descending=True, stable=True).indices[:M]  # [M] done first
+            done = is_done[rows]  # [M]
+            w = torch.where(done, batch.positions[rows] // r, 0)  # [M] entry index in its sequence
             pos = w[:, None] * r + r - self.span + torch.arange(self.span, device=x.device)  # [M, span]
-            table = batch.block_tables[WINDOW][batch.seq_ids[done]]  # [M, max_blocks]
+            table = batch.block_tables[WINDOW][batch.seq_ids[rows]]  # [M, max_blocks]
             slots = table.gather(1, pos.clamp(min=0) // bs).long() * bs + pos.clamp(min=0) % bs
             kv, gate = self.state.view(-1, 2 * self.width)[slots].split(self.width, dim=-1)  # [M, span, width]
             gate = gate.float() + self.ape.repeat(self.span // r, 1)  # ape by offset in the window
@@ -187,8 +193,13 @@ class Compressor(nn.Module):
             pooled = self.norm((kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1))  # [M, d]
             cos, sin = self.rope.cos_sin(w * r)
             pooled = self.rope(pooled[:, None], cos, sin)  # [M, 1, d]
-            ops.reshape_and_cache(pooled, None, self.entries, None, self._entry_slots(batch, batch.seq_ids[done], w))
+            slots = torch.where(done, self._entry_slots(batch, batch.seq_ids[rows], w), 0)  # [M] not done: scratch
+            ops.reshape_and_cache(pooled, None, self.entries, None, slots)
         return self._gather(batch)
+
+    def entries_width(self, batch: ForwardBatch) -> int:
+        """Wc: entries per sequence the step's readers pad to, from the batch's host bound max_seqlen_k."""
+        return batch.max_seqlen_k // self.ratio
 
     def _entry_slots(self, batch: ForwardBatch, seqs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         per_block = batch.block_size // self.ratio
@@ -196,11 +207,14 @@ class Compressor(nn.Module):
         return table[seqs, w // per_block].long() * per_block + w % per_block
 
     def _gather(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        B, width = batch.num_seqs, self.entries_width(batch)
+        w = torch.arange(width, device=batch.seq_lens.device)  # [Wc]
         counts = batch.seq_lens.long() // self.ratio  # [B] entries of each sequence
-        cu = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)  # [B+1]
-        seqs = torch.repeat_interleave(torch.arange(batch.num_seqs, device=counts.device), counts)  # [C]
-        w = torch.arange(seqs.numel(), device=counts.device) - cu[:-1].long()[seqs]  # [C]
-        return self.entries.view(-1, self.head_dim)[self._entry_slots(batch, seqs, w)], cu
+        w = torch.where(w < counts[:, None], w, 0)  # [B, Wc] padding reads the sequence's (or the null) block
+        seqs = torch.arange(B, device=w.device)[:, None].expand(B, width)  # [B, Wc]
+        rows = self._entry_slots(batch, seqs.reshape(-1), w.reshape(-1))  # [B * Wc]
+        cu = torch.arange(B + 1, device=w.device, dtype=torch.int32) * width  # [B+1]
+        return self.entries.view(-1, self.head_dim)[rows], cu
 
 
 class Indexer(nn.Module):
@@ -222,7 +236,8 @@ class Indexer(nn.Module):
         q = self.rope(q, cos, sin)
         weights = self.weights_proj(x).float() * self.scale  # [T, Hi]
         visible = (batch.positions + 1) // self.ratio  # [T]
-        return ops.lightning_indexer(q, keys, weights, batch.cu_seqlens_q, cu_keys, visible, self.topk)
+        return ops.lightning_indexer(q, keys, weights, batch.cu_seqlens_q, cu_keys, visible, self.topk,
+                                     batch.max_seqlen_q, self.compressor.entries_width(batch))
 
 
 class Attention(nn.Module):
@@ -270,14 +285,15 @@ class Attention(nn.Module):
         kv = self.rope(self.kv_norm(self.wkv(x)).view(T, 1, self.head_dim), cos, sin)  # [T, 1, Dh], K = V
         ops.reshape_and_cache(kv, None, self.kv_cache, None, batch.slot_mapping[WINDOW])
         o, lse = ops.paged_attention(q, self.kv_cache, None, batch.block_tables[WINDOW], batch.seq_lens,
-                                     batch.cu_seqlens_q, self.scale, sliding_window=self.window, return_lse=True)
+                                     batch.cu_seqlens_q, self.scale, sliding_window=self.window, return_lse=True,
+                                     max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)
         if self.compressor is not None:
             entries, cu_entries = self.compressor(x, batch)  # [C, Dh]
             if self.indexer is not None:
                 idx = self.indexer(x, q_lora, cos, sin, batch)  # [T, k], valid entries first
             else:
-                idx = visible_entries(batch, cu_entries, self.ratio)  # [T, max visible]
-            idx = idx[:, : max(int((idx >= 0).sum(1).max()) if T else 0, 1)]  # drop all-empty columns
+                idx = visible_entries(batch, cu_entries, self.ratio)  # [T, Wc]
+            idx = idx[:, : max(min(idx.shape[1], self.compressor.entries_width(batch)), 1)]  # no query sees more
             if entries.shape[0]:
                 kv_entries = entries[:, None]  # [C, 1, Dh], K = V: one object, gathered once
                 oc, lsec = ops.sparse_attention(q, kv_entries, kv_entries, idx, self.scale, return_lse=True)
@@ -305,7 +321,7 @@ class GroupedLinear(nn.Module):
 def visible_entries(batch: ForwardBatch, cu_entries: torch.Tensor, ratio: int) -> torch.Tensor:
     """HCA: every causally visible entry of the query's own sequence, as global rows; -1 pads. -> [T, max]"""
     visible = (batch.positions + 1) // ratio  # [T]
-    width = max(int(visible.max()), 1) if visible.numel() else 1
+    width = max(batch.max_seqlen_k // ratio, 1)  # Wc: what the longest sequence (or the batch's bound) holds
     ar = torch.arange(width, device=visible.device)
     idx = cu_entries[:-1].long()[batch.seq_ids, None] + ar  # [T, width]
     return torch.where(ar < visible[:, None], idx, -1)

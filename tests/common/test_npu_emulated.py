@@ -101,9 +101,9 @@ def test_paged_attention_and_cache_write(emu, kw):
 
 
 @pytest.mark.parametrize("with_v", [True, False])
-def test_reshape_and_cache_skips_padding_slots(emu, with_v):
+def test_reshape_and_cache_writes_every_slot(emu, with_v):
     k, v = torch.randn(5, 2, 4), torch.randn(5, 2, 3) if with_v else None
-    slots = torch.tensor([9, -1, 0, 5, -1])
+    slots = torch.tensor([9, 1, 0, 5, 11])
     caches = [torch.randn(3, 4, 2, 4), torch.randn(3, 4, 2, 3) if with_v else None]
     want = [c.clone() if c is not None else None for c in caches]
     ops.reshape_and_cache(k, v, *caches, slots)

@@ -190,16 +190,20 @@ def test_paged_attention_decode_batch_equals_attention(kw, shared_kv):
 
 @pytest.mark.parametrize("with_v", [True, False])
 def test_reshape_and_cache(with_v):
+    """Every slot is written; padding rows share row 0 (the null block's), one of them wins there."""
     k, v = torch.randn(5, 2, 4), torch.randn(5, 2, 3)
     k_cache, v_cache = torch.zeros(3, 4, 2, 4), torch.zeros(3, 4, 2, 3)
-    slots = torch.tensor([9, -1, 0, 5, -1])
+    slots = torch.tensor([9, 0, 2, 5, 0])  # rows 1 and 4: padding
     ref.reshape_and_cache(k, v if with_v else None, k_cache, v_cache if with_v else None, slots)
     want_k, want_v = torch.zeros(12, 2, 4), torch.zeros(12, 2, 3)
-    for t, s in enumerate(slots.tolist()):
-        if s >= 0:
-            want_k[s], want_v[s] = k[t], v[t]
-    assert torch.equal(k_cache.view(12, 2, 4), want_k)
-    assert torch.equal(v_cache.view(12, 2, 3), want_v if with_v else torch.zeros(12, 2, 3))
+    for t, s in ((0, 9), (2, 2), (3, 5)):
+        want_k[s], want_v[s] = k[t], v[t]
+    got_k, got_v = k_cache.view(12, 2, 4), v_cache.view(12, 2, 3)
+    assert torch.equal(got_k[1:], want_k[1:]) and any(torch.equal(got_k[0], k[t]) for t in (1, 4))
+    if with_v:
+        assert torch.equal(got_v[1:], want_v[1:]) and any(torch.equal(got_v[0], v[t]) for t in (1, 4))
+    else:
+        assert not v_cache.any()
 
 
 # ---------------------------------------------------------------- sparse attention, LSE merges, sinks

@@ -152,17 +152,27 @@ def paged_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ):
     """attention() with K/V read through a paged cache.
 
     k_cache [num_blocks, block_size, Hkv, D], v_cache [num_blocks, block_size, Hkv, Dv] (None: V = K),
     block_tables [B, max_blocks] int32, seq_lens [B] int32 = kv length of each sequence, new tokens included.
+    max_seqlen_q / max_seqlen_k: host bounds of the new tokens / kv length per sequence (ForwardBatch's); given,
+    a decode batch (max_seqlen_q 1) reads no tensor on the host and pads its keys to a width they fix (the
+    window, or max_seqlen_k): the static-shape decode step of graph mode.
     """
     if q.shape[0] == 0:  # no tokens: an idle data-parallel rank's step
         out = q.new_empty(0, q.shape[1], (k_cache if v_cache is None else v_cache).shape[-1])
         return (out, q.new_empty(0, q.shape[1], dtype=torch.float32)) if return_lse else out
-    if q.shape[0] == seq_lens.shape[0] and (cu_seqlens_q[1:] - cu_seqlens_q[:-1] == 1).all():
-        out, lse = _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+    decode = q.shape[0] == seq_lens.shape[0] and (
+        max_seqlen_q == 1 if max_seqlen_q is not None else bool((cu_seqlens_q[1:] - cu_seqlens_q[:-1] == 1).all()))
+    if decode:
+        width = None
+        if max_seqlen_k is not None:
+            width = max_seqlen_k if sliding_window is None else min(max_seqlen_k, sliding_window)
+        out, lse = _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, width)
         if sinks is not None:
             out = apply_attention_sinks(out, lse, sinks)
         out = out.to(q.dtype)
@@ -178,14 +188,16 @@ def paged_attention(
     return attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, sliding_window, sinks, return_lse)
 
 
-def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int | None):
-    """One new token per sequence (B = T): its visible keys gathered straight from the pages into one padded
-    batch, one GEMM per KV head group. -> fp32 out [B, Hq, Dv], lse [B, Hq]."""
+def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int | None,
+                  width: int | None = None):
+    """One new token per sequence (B = T): its visible keys gathered straight from the pages into one batch padded
+    to `width` keys (None: the widest sequence's, read on the host), one GEMM per KV head group.
+    -> fp32 out [B, Hq, Dv], lse [B, Hq]."""
     B, Hq, _ = q.shape
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     ends = seq_lens.long()  # [B] the new token sits at position end - 1 and sees keys [start, end)
     starts = (ends - sliding_window).clamp(min=0) if sliding_window is not None else torch.zeros_like(ends)
-    ka = torch.arange(int((ends - starts).max()), device=q.device)  # [Km]
+    ka = torch.arange(int((ends - starts).max()) if width is None else width, device=q.device)  # [Km]
     pos = starts[:, None] + ka  # [B, Km]
     valid = pos < ends[:, None]  # [B, Km]
     pos = torch.where(valid, pos, starts[:, None])  # padding reads a real slot, masked below
@@ -200,15 +212,16 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sli
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
-    """In place: cache.view(-1, Hkv, D)[slot] = k row by row (same for v); slots < 0 are skipped.
+    """In place: cache.view(-1, Hkv, D)[slot] = k row by row (same for v).
 
-    k [T, Hkv, D], v [T, Hkv, Dv] or None (K = V models, then v_cache is None too), slot_mapping [T] int64.
+    k [T, Hkv, D], v [T, Hkv, Dv] or None (K = V models, then v_cache is None too), slot_mapping [T] int64, every
+    slot a cache row: padding tokens write to the null block 0 (which no sequence reads), so the write has no
+    data-dependent shape (a padded decode step captures it as it is). Two rows on one slot: one of them wins.
     """
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()  # [T']
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    slots = slot_mapping.long()  # [T]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k
     if v is not None:
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v
 
 
 def sparse_attention(

@@ -13,12 +13,16 @@ def lightning_indexer(
     cu_seqlens_k: torch.Tensor,
     visible: torch.Tensor,
     topk: int,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """Global row indices into k of each query's top min(topk, visible[t]) entries; other slots -1.
 
     q [T, H, D], k [N, D] (compressed keys of all sequences; sequence b owns rows cu_seqlens_k[b]:cu_seqlens_k[b+1]),
     weights [T, H] fp32, visible [T] = how many of its own sequence's first entries query t may see.
     Scores in fp32; ties go to the lower index (stable sort), so a row's result does not depend on its batch.
+    max_seqlen_q / max_seqlen_k: host bounds of the queries / keys per sequence; given, a decode batch
+    (max_seqlen_q 1) scores a fixed max_seqlen_k keys per query and reads no tensor on the host.
     Returns [T, topk] int32.
     """
     T, B = q.shape[0], cu_seqlens_q.numel() - 1
@@ -30,19 +34,23 @@ def lightning_indexer(
                 rows = _topk_rows(q[qs:qe], k[ks:ke], weights[qs:qe], 0, visible[qs:qe], topk)  # local rows
                 out[qs:qe] = torch.where(rows >= 0, rows + ks, -1)
         return out
-    if T == B and bool((cu_seqlens_q[1:] - cu_seqlens_q[:-1] == 1).all()):  # decodes: one query per sequence
-        return _decode_topk(q, k, weights, cu_seqlens_k.long(), visible, topk)
+    decode = T == B and (max_seqlen_q == 1 if max_seqlen_q is not None
+                         else bool((cu_seqlens_q[1:] - cu_seqlens_q[:-1] == 1).all()))
+    if decode:  # one query per sequence
+        return _decode_topk(q, k, weights, cu_seqlens_k.long(), visible, topk, max_seqlen_k)
     token = torch.arange(T, device=q.device)
     seq = torch.searchsorted(cu_seqlens_q[1:].long(), token, right=True)  # [T] sequence of each query
     return _topk_rows(q, k, weights, cu_seqlens_k.long()[seq][:, None], visible, topk)
 
 
-def _decode_topk(q, k, weights, cu_k, visible, topk: int) -> torch.Tensor:
-    """One query per sequence, scored against its own sequence's keys only (padded to the longest). [B, topk]"""
+def _decode_topk(q, k, weights, cu_k, visible, topk: int, width: int | None = None) -> torch.Tensor:
+    """One query per sequence, scored against its own sequence's keys only, padded to `width` keys (None: to the
+    most any query sees, read on the host). [B, topk]"""
     counts = torch.minimum(cu_k[1:] - cu_k[:-1], visible.long())  # [B] keys each query may see
-    if not k.shape[0] or not int(counts.max()):
+    width = int(counts.max()) if width is None and counts.numel() else width or 0
+    if not k.shape[0] or not width:
         return torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
-    ka = torch.arange(int(counts.max()), device=q.device)  # [W]
+    ka = torch.arange(width, device=q.device)  # [W]
     allowed = ka < counts[:, None]  # [B, W]
     rows = torch.where(allowed, cu_k[:-1, None] + ka, 0)  # [B, W] global rows (row 0 pads, masked below)
     scores = torch.einsum("bhd,bwd->bhw", q.float(), k[rows].float()).relu()  # [B, H, W]

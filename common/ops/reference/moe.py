@@ -65,7 +65,8 @@ def moe_init_routing(
     order = torch.sort(flat, stable=True).indices  # [T*k] (t*k + j) of each expanded row
     expanded_x = x[order // indices.shape[1]]  # [T*k, H]
     expanded_row_idx = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
-    return expanded_x, expanded_row_idx.int(), torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    return expanded_x, expanded_row_idx.int(), counts  # counts [E]: bincount, with a static shape
 
 
 def moe_finalize_routing(
@@ -86,14 +87,37 @@ def grouped_matmul(
     x: torch.Tensor, weight: torch.Tensor | cpu_gemm.PackedExperts, tokens_per_expert: torch.Tensor
 ) -> torch.Tensor:
     """Per expert e: y_e = x_e @ weight[e].T; x [M, K] sorted by expert, weight [E, N, K] (nn.Linear) -> [M, N].
-    weight: a dense tensor, or the cpu_gemm.PackedExperts that cpu_gemm.pack_model made of one (same results)."""
-    packed = weight.experts if isinstance(weight, cpu_gemm.PackedExperts) else None
-    out = x.new_empty(x.shape[0], weight.shape[1])  # [M, N]
+    weight: a dense tensor, or the cpu_gemm.PackedExperts that cpu_gemm.pack_model made of one (same results).
+
+    One GEMM per expert over its rows, split on the host (`tolist` of the group sizes). On CPU that is no device
+    sync; under torch.compile the split runs inside one custom op, opaque to it, so a compiled decode step keeps
+    it whole (fullgraph) with static shapes around it ([M, K] in, [M, N] out). Eager (and autograd, and the FLOP
+    counter) see the loop itself."""
+    weights = weight.experts if isinstance(weight, cpu_gemm.PackedExperts) else [weight]
+    if torch.compiler.is_compiling():
+        return torch.ops.npu_cookbook.grouped_matmul(x, weights, tokens_per_expert)
+    return _expert_loop(x, weights, tokens_per_expert)
+
+
+@torch.library.custom_op("npu_cookbook::grouped_matmul", mutates_args=())
+def _grouped_matmul(x: torch.Tensor, weights: list[torch.Tensor], tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    return _expert_loop(x, weights, tokens_per_expert)
+
+
+def _expert_loop(x: torch.Tensor, weights: list[torch.Tensor], tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """weights: [the dense stack [E, N, K]] or E oneDNN-packed [N, K] weights."""
+    packed = len(weights) > 1 or weights[0].is_mkldnn
+    out = x.new_empty(x.shape[0], weights[0].shape[-2])  # [M, N]
     ends = tokens_per_expert.cumsum(0).tolist()
     for e, (start, end) in enumerate(zip([0] + ends, ends)):
         if end > start:
-            out[start:end] = x[start:end] @ weight[e].T if packed is None else cpu_gemm.linear(x[start:end], packed[e])
+            out[start:end] = cpu_gemm.linear(x[start:end], weights[e]) if packed else x[start:end] @ weights[0][e].T
     return out
+
+
+@_grouped_matmul.register_fake
+def _(x, weights, tokens_per_expert):
+    return x.new_empty(x.shape[0], weights[0].shape[-2])
 
 
 def swiglu(x: torch.Tensor, limit: float | None = None) -> torch.Tensor:

@@ -45,6 +45,8 @@ def test_speculative_tokens_give_the_same_greedy_completions():
     (("--top-p", "0"), "top_p"),
     (("--config", "configs/atlas-a3-flash.yaml"), "moe_ep=16 does not divide the model's 8 routed experts"),
     (("--speculative-tokens", "9"), "speculative tokens must be an int in [0, 7]"),
+    (("--exe-mode", "jit"), "--exe-mode"),
+    (("--config", "configs/tiny-cpu-tp2.yaml", "--exe-mode", "graph"), "exe_mode graph runs one process"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, needle):
     r = run(*args)
@@ -57,6 +59,9 @@ def test_bad_arguments_give_one_line_and_exit_2(args, needle):
     ("{enable_chunked_prefill: false, max_num_batched_tokens: 64, max_model_len: 128}", "max_num_batched_tokens"),
     ("{block_size: 6}", "block_size"),  # not a multiple of the compress ratios
     ("{max_num_seqs: 0}", "max_num_seqs"),
+    ("{graph_capture_sizes: [4, 2]}", "graph_capture_sizes must be increasing"),
+    ("{max_num_seqs: 4, graph_capture_sizes: [1, 8]}", "past max_num_seqs"),
+    ("{exe_mode: graph}", "top level of the preset"),
 ])
 def test_settings_that_can_never_run_are_refused_at_start(tmp_path, engine, needle):
     preset = tmp_path / "preset.yaml"

@@ -1,0 +1,80 @@
+"""Graph-mode decode (exe_mode "graph"): a decode step padded to a batch bucket and run as one compiled graph.
+
+Upstream runs decode as a captured graph (`exe_mode: npugraph_ex`) with prefill eager; vLLM-Ascend likewise (ACL
+graph, FULL_DECODE_ONLY). Here a step whose every scheduled sequence computes one token (decodes, and one-token
+prompt chunks: the same computation) and none scores prompt positions is padded to the smallest capture size
+that holds it: ForwardBatch.build with `pad_to` the bucket, block tables `max_model_len / block_size` wide and
+`max_seqlen_k = max_model_len`, so every shape of the step is the bucket's alone (the model reads no tensor on
+the host: see ForwardBatch). Every other step (prefill, mixed prefill + decode, MTP verification) runs eager.
+
+CPU: each bucket is `torch.compile(fullgraph=True, dynamic=False)` (inductor), compiled at start-up, one bucket
+after the other under a progress bar, by a step over padding alone (padding writes only to the null block).
+The GEMMs stay the oneDNN-packed ones of common/cpu_gemm.py, as opaque custom ops, and so does the MoE's
+expert loop (its host split is no device sync on CPU). Inductor keeps what it compiled on disk (its FX graph
+cache under TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_<user>), so a second start traces again but
+compiles nothing. At run time a step that would recompile (the model's caches reallocated with other shapes by
+another engine on the same model) fails loudly instead of stalling for a compile.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from .config import EngineConfig
+from .forward_batch import ForwardBatch
+
+
+def decode_step(model, batch: ForwardBatch, keep_streams: bool):
+    """What a bucket runs: the logits of every row [B, V] and, for the MTP drafts, the residual streams [B, n, D]."""
+    if keep_streams:
+        streams = model.residual_streams(batch)  # [B, n, D]
+        return model.compute_logits(model.final_hidden(streams)), streams
+    return model.compute_logits(model(batch)), None
+
+
+class GraphRunner:
+    def __init__(self, model, config: EngineConfig, device: torch.device, keep_streams: bool):
+        if device.type != "cpu":
+            raise ValueError(f"exe_mode graph captures decode steps on CPU (torch.compile) in this version; on "
+                             f"{device.type} run exe_mode eager")
+        parallel = getattr(model, "parallel", None)
+        if parallel is not None and parallel.distributed:
+            raise ValueError("exe_mode graph runs one process in this version; with TP / DP / EP run exe_mode eager")
+        self.sizes = config.graph_capture_sizes
+        self.block_size, self.max_seqlen_k = config.block_size, config.max_model_len
+        ahead = 2 * config.num_speculative_tokens  # MTP: blocks allocated for the drafts' lookahead
+        self.table_width = -(-(config.max_model_len + ahead) // config.block_size)  # blocks of the longest sequence
+        self.groups = [s.name for s in model.cache_specs(config.block_size)]
+        self.device = device
+        self.replays = dict.fromkeys(self.sizes, 0)  # bucket -> steps it ran
+        self.capture_seconds: float | None = None
+        self._compiled = torch.compile(lambda batch: decode_step(model, batch, keep_streams),
+                                       fullgraph=True, dynamic=False)
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest capture size that holds num_seqs sequences, or None."""
+        return next((n for n in self.sizes if n >= num_seqs), None)
+
+    def build(self, new_tokens: list[list[int]], num_computed: list[int],
+              block_tables: list[dict[str, list[int]]]) -> ForwardBatch:
+        """The step's one-token sequences padded to their bucket."""
+        return ForwardBatch.build(new_tokens, num_computed, block_tables, self.block_size, self.device,
+                                  pad_to=self.bucket(len(new_tokens)), table_width=self.table_width,
+                                  max_seqlen_k=self.max_seqlen_k)
+
+    @torch.inference_mode()
+    def capture(self, show_progress: bool = True) -> None:
+        """Compile every bucket now, by a step over padding alone."""
+        start = time.perf_counter()
+        with torch._dynamo.config.patch(recompile_limit=len(self.sizes) + 1):
+            for n in tqdm(self.sizes, desc="compile decode graphs", unit="bucket", disable=not show_progress):
+                self._compiled(self.build([[0]] * n, [0] * n, [dict.fromkeys(self.groups, [])] * n))  # padding
+        self.capture_seconds = time.perf_counter() - start
+
+    def run(self, batch: ForwardBatch):
+        """(logits [bucket, V], streams [bucket, n, D] or None) of a batch from `build`."""
+        self.replays[batch.num_seqs] += 1
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return self._compiled(batch)

@@ -1,0 +1,121 @@
+"""Graph-mode decode (exe_mode graph) against eager decode, and the padded decode batch it runs.
+
+fp32, the tiny checkpoint with index_topk 4: the CSA indexer's top-k binds (a sequence here reaches up to
+(37 + 20) / 4 = 14 compressed entries), so the graph's fixed-width top-k must select exactly what eager does.
+One graph engine (buckets 1 and 4, compiled once for the module: the CPU compile is the slow part) serves
+every scenario, with chunked prefill (8 tokens a step) and a cache small enough to preempt.
+"""
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from common.engine import LLM, EngineConfig, SamplingParams
+from common.engine.forward_batch import ForwardBatch
+from tiny_deepseek_v4 import write_tiny_checkpoint
+from weights_deepseek_v4 import load_model
+
+PROMPT_LENGTHS = (5, 13, 37, 22)
+MAX_TOKENS = (60, 40, 20, 50)  # unequal: the batch shrinks 4 -> 3 -> 2 -> 1 (buckets 4, 4, 4, 1)
+ENGINE = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=8, num_blocks=12)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("graph") / "ckpt", seed=5, quantized=False, index_topk=4)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    tok = AutoTokenizer.from_pretrained(path)
+    eager = LLM(load_model(path, torch.float32), tok, **ENGINE)
+    graph = LLM(load_model(path, torch.float32), tok, exe_mode="graph", graph_capture_sizes=(1, 4), **ENGINE)
+    return eager, graph, prompts, path
+
+
+def assert_same(eager_outs, graph_outs):
+    for e, g in zip(eager_outs, graph_outs):
+        assert g.token_ids == e.token_ids
+        assert g.finish_reason == e.finish_reason
+        for le, lg in zip(e.logprobs, g.logprobs, strict=True):
+            assert lg.token_id == le.token_id and abs(lg.logprob - le.logprob) < 1e-4
+            for (te, ve), (tg, vg) in zip(le.top, lg.top, strict=True):
+                assert tg == te and abs(vg - ve) < 1e-4
+
+
+def test_graph_decode_equals_eager_with_chunked_prefill_and_preemption(setup):
+    eager, graph, prompts, _ = setup
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
+    before = dict(graph.engine.runner.graphs.replays)
+    want = eager.generate(prompts, params, use_tqdm=False)
+    got = graph.generate(prompts, params, use_tqdm=False)
+    assert_same(want, got)
+    runs = {n: graph.engine.runner.graphs.replays[n] - before[n] for n in before}
+    assert runs[1] > 0 and runs[4] > 0  # every bucket ran decode steps
+    assert graph.engine.scheduler.num_preemptions > 0 and eager.engine.scheduler.num_preemptions > 0
+    assert max(graph.engine.stats.recent_step_tokens) <= 8  # prompts went in chunks beside the decodes
+    assert graph.engine.kv_cache.all_blocks_free() and eager.engine.kv_cache.all_blocks_free()
+
+
+def test_graph_decode_equals_eager_on_a_prefix_cache_hit(setup):
+    eager, graph, prompts, _ = setup
+    shared = prompts[2][:32]  # two full blocks
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    for llm in (eager, graph):
+        llm.generate([shared + [7, 8, 9]], params, use_tqdm=False)
+    want = eager.generate([shared + [11, 12]], params, use_tqdm=False)
+    got = graph.generate([shared + [11, 12]], params, use_tqdm=False)
+    assert got[0].num_cached_tokens == 32 == want[0].num_cached_tokens
+    assert_same(want, got)
+    assert graph.engine.kv_cache.all_blocks_free()
+
+
+def test_seeded_sampling_in_graph_mode_equals_eager(setup):
+    eager, graph, prompts, _ = setup
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    want = eager.generate(prompts[:2], params, use_tqdm=False)
+    got = graph.generate(prompts[:2], params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_padding_rows_never_change_real_rows(setup):
+    """The model on a decode batch padded to a bucket (fixed table width, max_seqlen_k the bound) gives the real
+    rows what the unpadded batch gives, and its padding writes only to the null block."""
+    *_, path = setup
+    model = load_model(path, torch.float32)
+    groups = [s.name for s in model.cache_specs(16)]
+    prompts = [list(range(3, 3 + n)) for n in (30, 9, 17)]
+    prefill, num_blocks = ForwardBatch.prefill(prompts, groups, 16)
+    model.allocate_caches(dict.fromkeys(groups, num_blocks + 8), 16)
+    with torch.inference_mode():
+        model(prefill)
+        tables = [{g: prefill.block_tables[g][b, : -(-(n + 1) // 16)].tolist() for g in groups}
+                  for b, n in enumerate(map(len, prompts))]
+        step = ([[5], [6], [7]], [len(p) for p in prompts], tables)
+        plain = model.compute_logits(model(ForwardBatch.build(*step, block_size=16)))
+        caches = [t.clone() for ts in model.cache_tensors().values() for t in ts]
+        padded = ForwardBatch.build(*step, block_size=16, pad_to=8, table_width=64, max_seqlen_k=1024)
+        assert padded.num_seqs == 8 and padded.max_seqlen_q == 1 and padded.max_seqlen_k == 1024
+        assert all(t.shape == (8, 64) for t in padded.block_tables.values())
+        assert all((s[3:] == 0).all() for s in padded.slot_mapping.values())  # padding: the null block's row 0
+        logits = model.compute_logits(model(padded))
+        after = [t for ts in model.cache_tensors().values() for t in ts]
+    # fp32; the padded widths (1,024 keys, 256 / 128 entries) only change the order of the sums
+    torch.testing.assert_close(logits[:3], plain, atol=1e-4, rtol=1e-4)
+    for before, now in zip(caches, after):  # the real rows' writes again; padding only in the null block 0
+        torch.testing.assert_close(now[1:], before[1:], atol=1e-4, rtol=1e-4)
+
+
+def test_forward_batch_refuses_a_sequence_past_its_bucket():
+    with pytest.raises(ValueError, match="table_width"):
+        ForwardBatch.build([[1]], [40], [{"g": [1, 2, 3]}], block_size=16, table_width=2)
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        ForwardBatch.build([[1]], [40], [{"g": [1, 2, 3]}], block_size=16, max_seqlen_k=32)
+
+
+def test_capture_sizes_default_to_powers_of_two_and_max_num_seqs():
+    assert EngineConfig(max_num_seqs=16, exe_mode="graph").resolve(1024).graph_capture_sizes == (1, 2, 4, 8, 16)
+    assert EngineConfig(max_num_seqs=6, exe_mode="graph").resolve(1024).graph_capture_sizes == (1, 2, 4, 6)
+    assert EngineConfig(max_num_seqs=6).resolve(1024).graph_capture_sizes is None  # eager: no buckets
+    for bad in ((2, 1), (0,), (1, 1), ()):
+        with pytest.raises(ValueError, match="graph_capture_sizes"):
+            EngineConfig(graph_capture_sizes=bad)
+    with pytest.raises(ValueError, match="exe_mode"):
+        EngineConfig(exe_mode="npugraph")
