@@ -35,7 +35,8 @@ def decode_step(model, batch: ForwardBatch, keep_streams: bool):
 
 
 class GraphRunner:
-    def __init__(self, model, config: EngineConfig, device: torch.device, keep_streams: bool):
+    def __init__(self, model, config: EngineConfig, groups: list[str], device: torch.device, keep_streams: bool):
+        """groups: the model's cache groups (the padding sequences get an empty table in each)."""
         if device.type != "cpu":
             raise ValueError(f"exe_mode graph captures decode steps on CPU (torch.compile) in this version; on "
                              f"{device.type} run exe_mode eager")
@@ -46,7 +47,7 @@ class GraphRunner:
         self.block_size, self.max_seqlen_k = config.block_size, config.max_model_len
         ahead = 2 * config.num_speculative_tokens  # MTP: blocks allocated for the drafts' lookahead
         self.table_width = -(-(config.max_model_len + ahead) // config.block_size)  # blocks of the longest sequence
-        self.groups = [s.name for s in model.cache_specs(config.block_size)]
+        self.groups = groups
         self.device = device
         self.replays = dict.fromkeys(self.sizes, 0)  # bucket -> steps it ran
         self.capture_seconds: float | None = None

@@ -64,7 +64,7 @@ class ModelRunner:
         model.allocate_caches(self.num_blocks, config.block_size)
         self.graphs = None  # exe_mode graph: the decode steps' compiled buckets
         if config.exe_mode == "graph":
-            self.graphs = GraphRunner(model, config, self.device, keep_streams)
+            self.graphs = GraphRunner(model, config, [s.name for s in self.specs], self.device, keep_streams)
             self.graphs.capture()
 
     @torch.inference_mode()

@@ -217,8 +217,9 @@ def main():
           f"weights per token ({backend.dtype_name(dtype)}); {a.threads} threads; "
           f"{backend.cpu_model_name()}, {backend.cpu_description()}; "
           f"read bandwidth {bw / 1e9:.1f} GB/s -> batch-1 roofline {roofline:.1f} tok/s")
-    print(f"graph mode: {len(graphs.sizes)} buckets {list(graphs.sizes)} compiled in {first_start:.0f} s at start-up"
-          f", {warm_start:.0f} s in a second process (inductor's disk cache warm); graph steps per bucket "
+    print(f"graph mode: {len(graphs.sizes)} buckets {list(graphs.sizes)} compiled in {first_start:.0f} s at this "
+          f"start (cold only if inductor's cache, TORCHINDUCTOR_CACHE_DIR, was empty), {warm_start:.0f} s in a second "
+          f"process (the cache warm); graph steps per bucket "
           f"{graphs.replays}")
     print(f"{'metric':<30}{'eager':>10}{'graph':>10}{'transformers':>14}{'eager/tf':>10}{'graph/tf':>10}")
     for name, eager_v, graph_v, theirs_v in rows:

@@ -47,7 +47,8 @@ def _decode_topk(q, k, weights, cu_k, visible, topk: int, width: int | None = No
     """One query per sequence, scored against its own sequence's keys only, padded to `width` keys (None: to the
     most any query sees, read on the host). [B, topk]"""
     counts = torch.minimum(cu_k[1:] - cu_k[:-1], visible.long())  # [B] keys each query may see
-    width = int(counts.max()) if width is None and counts.numel() else width or 0
+    if width is None:
+        width = int(counts.max()) if counts.numel() else 0
     if not k.shape[0] or not width:
         return torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
     ka = torch.arange(width, device=q.device)  # [W]

@@ -1,7 +1,7 @@
 """Graph-mode decode (exe_mode graph) against eager decode, and the padded decode batch it runs.
 
-fp32, the tiny checkpoint with index_topk 4: the CSA indexer's top-k binds (a sequence here reaches up to
-(37 + 20) / 4 = 14 compressed entries), so the graph's fixed-width top-k must select exactly what eager does.
+fp32, the tiny checkpoint with index_topk 4: the CSA indexer's top-k binds (the sequences here end with 13-18
+compressed entries, (prompt + output) / 4), so the graph's fixed-width top-k must select exactly what eager does.
 One graph engine (buckets 1 and 4, compiled once for the module: the CPU compile is the slow part) serves
 every scenario, with chunked prefill (8 tokens a step) and a cache small enough to preempt.
 """
