@@ -12,7 +12,10 @@ after the other under a progress bar, by a step over padding alone (padding writ
 The GEMMs stay the oneDNN-packed ones of common/cpu_gemm.py, as opaque custom ops, and so does the MoE's
 expert loop (its host split is no device sync on CPU). Inductor keeps what it compiled on disk (its FX graph
 cache under TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_<user>), so a second start traces again but
-compiles nothing. At run time a step that would recompile (the model's caches reallocated with other shapes by
+compiles nothing. That cache keys a graph by its code, not by the vector width inductor wrote it for, and the same
+folder may serve another CPU kind (an AVX-512 graph rebuilt for AVX2 indexes out of bounds): the compile pins
+`cpp.simdlen` to the width inductor picks here (`inductor_options`), which puts it in the key. At run time a step
+that would recompile (the model's caches reallocated with other shapes by
 another engine on the same model) fails loudly instead of stalling for a compile.
 """
 from __future__ import annotations
@@ -24,6 +27,15 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
+
+
+def inductor_options() -> dict:
+    """torch.compile options of the decode graphs: the vector width inductor picks on this CPU (it follows
+    ATEN_CPU_CAPABILITY), stated so that it is part of the on-disk cache key."""
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    return {"cpp.simdlen": isa.bit_width()} if isa else {}
 
 
 def decode_step(model, batch: ForwardBatch, keep_streams: bool):
@@ -52,7 +64,7 @@ class GraphRunner:
         self.replays = dict.fromkeys(self.sizes, 0)  # bucket -> steps it ran
         self.capture_seconds: float | None = None
         self._compiled = torch.compile(lambda batch: decode_step(model, batch, keep_streams),
-                                       fullgraph=True, dynamic=False)
+                                       fullgraph=True, dynamic=False, options=inductor_options())
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest capture size that holds num_seqs sequences, or None."""

@@ -119,3 +119,38 @@ def test_capture_sizes_default_to_powers_of_two_and_max_num_seqs():
             EngineConfig(graph_capture_sizes=bad)
     with pytest.raises(ValueError, match="exe_mode"):
         EngineConfig(exe_mode="npugraph")
+
+
+COMPILE_ONCE = """
+import torch
+from torch._dynamo.utils import counters
+from common.engine.graph_runner import inductor_options
+x = torch.arange(64, dtype=torch.int64)
+f = torch.compile(lambda x: torch.where(x % 3 == 0, x // 3, -1).cumsum(0), fullgraph=True, dynamic=False,
+                  options=inductor_options())
+assert torch.equal(f(x), torch.where(x % 3 == 0, x // 3, -1).cumsum(0))
+print(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+"""
+
+
+def test_the_compile_cache_is_reused_on_this_cpu_kind_and_not_across_kinds(tmp_path):
+    """A second process reuses the on-disk graphs; a process vectorizing for another width (AVX2 here, when this
+    CPU has AVX-512) compiles its own instead of rebuilding AVX-512 code for AVX2 (which, without the pinned
+    `cpp.simdlen`, gave this function wrong values and the decode graphs an out-of-bounds index)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+
+    def hits_misses(**env):
+        run = subprocess.run([sys.executable, "-c", COMPILE_ONCE], cwd=root, capture_output=True, text=True,
+                             env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), **env}, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return tuple(map(int, run.stdout.split()[-2:]))
+
+    assert hits_misses() == (0, 1)
+    assert hits_misses() == (1, 0)  # the second start: from the disk cache
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        assert hits_misses(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2") == (0, 1)
