@@ -31,8 +31,14 @@ GROUP_NAMES = MESH_AXES + ("ep",)
 LLM_GROUP_NAMES = ("attn_tp", "attn_dp", "moe_tp", "moe_ep", "embed_tp", "lmhead_tp")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Bytes this process sent to other ranks, by collective (the payload: what a ring / pairwise exchange moves).
-# Instrumentation only: recipes' parallel benches read and reset it; nothing decides on it.
+# Instrumentation only: recipes' parallel benches read and reset it; nothing decides on it. Eager steps only (a
+# compiled graph-mode step does not count).
 TRAFFIC: collections.Counter = collections.Counter()
+
+
+def _count(collective: str, nbytes: int) -> None:
+    if not torch.compiler.is_compiling():
+        TRAFFIC[collective] += nbytes
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -262,7 +268,7 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor
     """Sum over the group, in place; returns x."""
     P = group_size(group)
     if P > 1:
-        TRAFFIC["all_reduce"] += 2 * (P - 1) * x.nbytes // P  # ring: reduce-scatter + all-gather
+        _count("all_reduce", 2 * (P - 1) * x.nbytes // P)  # ring: reduce-scatter + all-gather
         dist.all_reduce(x, group=group)
     return x
 
@@ -283,7 +289,7 @@ def all_gather_v(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | N
     pad = max(sizes)
     padded = torch.cat([x, x.new_zeros(pad - x.shape[0], *x.shape[1:])])
     parts = [torch.empty_like(padded) for _ in sizes]
-    TRAFFIC["all_gather"] += (len(sizes) - 1) * padded.nbytes
+    _count("all_gather", (len(sizes) - 1) * padded.nbytes)
     dist.all_gather(parts, padded, group=group)
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
@@ -295,7 +301,7 @@ def all_to_all_v(x: torch.Tensor, send_splits: list[int], recv_splits: list[int]
         return x
     out = x.new_empty(sum(recv_splits), *x.shape[1:])
     row = x[0].nbytes if x.shape[0] else 0
-    TRAFFIC["all_to_all"] += (sum(send_splits) - send_splits[group_rank(group)]) * row
+    _count("all_to_all", (sum(send_splits) - send_splits[group_rank(group)]) * row)
     dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
 
@@ -308,11 +314,12 @@ def shard(param: torch.Tensor, dim: int, parallel: "Parallel", group: str) -> to
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, embedding: torch.nn.Embedding, vocab_start: int,
-                             group: dist.ProcessGroup | None) -> torch.Tensor:
+                             group: dist.ProcessGroup | None, uniform: bool = False) -> torch.Tensor:
     """ids [T] -> [T, D] with the vocabulary split over the group (this rank holds rows [vocab_start, + n)): the
     group's ids are gathered (their DP ranks hold different tokens), each rank looks up what it holds, the sum
-    over the group completes every row, and each rank keeps its own."""
-    sizes = all_gather_sizes(ids.shape[0], group)
+    over the group completes every row, and each rank keeps its own. uniform: every rank of the group has T ids
+    (a graph-mode step: all ranks padded to one bucket), so no sizes are exchanged."""
+    sizes = [ids.shape[0]] * group_size(group) if uniform else all_gather_sizes(ids.shape[0], group)
     every = all_gather_v(ids, sizes, group) - vocab_start  # [sum T]
     n = embedding.num_embeddings
     inside = (every >= 0) & (every < n)
@@ -321,12 +328,13 @@ def vocab_parallel_embedding(ids: torch.Tensor, embedding: torch.nn.Embedding, v
     return all_reduce(out, group)[start: start + ids.shape[0]]
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, head, group: dist.ProcessGroup | None) -> torch.Tensor:
+def vocab_parallel_logits(hidden: torch.Tensor, head, group: dist.ProcessGroup | None,
+                          uniform: bool = False) -> torch.Tensor:
     """hidden [N, D] -> logits [N, V] with the head's vocabulary split over the group (head: [N, D] -> [N, V/P]):
     the group's rows are gathered, each rank scores them on its slice, and an all-to-all returns each rank its own
-    rows over the whole vocabulary."""
+    rows over the whole vocabulary. uniform: every rank of the group has N rows (no sizes exchanged)."""
     P = group_size(group)
-    sizes = all_gather_sizes(hidden.shape[0], group)
+    sizes = [hidden.shape[0]] * P if uniform else all_gather_sizes(hidden.shape[0], group)
     local = head(all_gather_v(hidden, sizes, group))  # [sum N, V/P]
     mine = all_to_all_v(local, sizes, [hidden.shape[0]] * P, group)  # [P * N, V/P]: slice by slice
     N, V_local = hidden.shape[0], local.shape[-1]
@@ -339,26 +347,49 @@ class ExpertDispatch:
     order: torch.Tensor | None  # arrival row -> position when grouped by local expert (None: one rank)
     send: list[int]
     recv: list[int]
+    slot: torch.Tensor | None = None  # fixed capacity: each sent row's place in the [P * capacity] exchange
 
 
-def dispatch_to_experts(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup | None
-                        ) -> tuple[torch.Tensor, torch.Tensor, ExpertDispatch]:
+def dispatch_to_experts(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup | None,
+                        capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertDispatch]:
     """Expert parallel, upstream's prefill "double routing": rows [M, D] sorted by global expert, counts [E] rows
     per expert, experts in contiguous blocks of E/P per group rank. Exchanges the counts, then the rows, and groups
     what arrived by local expert: (rows [M', D], rows per local expert [E/P], the handle for the way back).
     On NPU too this is all_to_all: npu_moe_distribute_dispatch_v2 / combine_v2 need an MC2 communication domain
-    sized for a fixed token count, which the variable-length prefill batches here do not give."""
+    sized for a fixed token count, which the variable-length prefill batches here do not give.
+
+    capacity (graph mode: a step of static shapes; the same on every rank, >= M as all rows could go to one
+    rank): every rank sends every rank `capacity` rows, its rows for that rank first and zeros after, so no
+    split is read on the host; what arrives is [P * capacity, D], grouped by local expert with the padding rows
+    last (past the sum of the counts, which the grouped matmul does not compute)."""
     P = group_size(group)
+    if capacity is not None and capacity < rows.shape[0]:
+        raise ValueError(f"dispatch capacity {capacity} below the {rows.shape[0]} rows to send")
     if P == 1:
         return rows, counts, ExpertDispatch(None, [rows.shape[0]], [rows.shape[0]])
     send_counts = counts.view(P, -1)  # [P destination ranks, E/P]
     recv_counts = all_to_all_v(send_counts, [1] * P, [1] * P, group)  # [P source ranks, E/P]
-    send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-    arrived = all_to_all_v(rows, send, recv, group)  # [M', D]: by source rank, then local expert
     E_local = send_counts.shape[1]
-    local_expert = torch.repeat_interleave(torch.arange(E_local, device=rows.device).repeat(P), recv_counts.flatten())
-    order = torch.sort(local_expert, stable=True).indices  # [M']
-    return arrived[order], recv_counts.sum(0), ExpertDispatch(order, send, recv)
+    if capacity is None:
+        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        arrived = all_to_all_v(rows, send, recv, group)  # [M', D]: by source rank, then local expert
+        local_expert = torch.repeat_interleave(torch.arange(E_local, device=rows.device).repeat(P),
+                                               recv_counts.flatten())
+        order = torch.sort(local_expert, stable=True).indices  # [M']
+        return arrived[order], recv_counts.sum(0), ExpertDispatch(order, send, recv)
+    M = rows.shape[0]
+    i = torch.arange(M, device=rows.device)
+    per_rank = send_counts.sum(1)  # [P]
+    ends = per_rank.cumsum(0)  # [P]
+    dest = torch.searchsorted(ends, i, right=True)  # [M]: rows sorted by expert are sorted by destination
+    slot = dest * capacity + i - (ends - per_rank)[dest]  # [M]: its place in the destination's block
+    send_buf = rows.new_zeros(P * capacity, *rows.shape[1:]).index_copy(0, slot, rows)  # [P * C, D]
+    equal = [capacity] * P
+    arrived = all_to_all_v(send_buf, equal, equal, group)  # [P * C, D]: block by source rank
+    j = torch.arange(capacity, device=rows.device)
+    local_expert = torch.searchsorted(recv_counts.cumsum(1), j.expand(P, -1).contiguous(), right=True)  # [P, C]
+    order = torch.sort(local_expert.flatten(), stable=True).indices  # [P * C]: E_local (padding) sorts last
+    return arrived[order], recv_counts.sum(0), ExpertDispatch(order, equal, equal, slot)
 
 
 def combine_from_experts(y: torch.Tensor, handle: ExpertDispatch, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -367,16 +398,22 @@ def combine_from_experts(y: torch.Tensor, handle: ExpertDispatch, group: dist.Pr
         return y
     back = torch.empty_like(y)
     back[handle.order] = y  # arrival order
-    return all_to_all_v(back, handle.recv, handle.send, group)
+    returned = all_to_all_v(back, handle.recv, handle.send, group)
+    return returned if handle.slot is None else returned[handle.slot]
+
+
+def all_reduce_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
+    """The element-wise maximum of every rank's values (every rank learns the same answer)."""
+    if group_size(group) == 1:
+        return values
+    x = torch.tensor(values, dtype=torch.long)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x.tolist()
 
 
 def any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
     """Whether flag is true on some rank of the group (every rank learns the same answer)."""
-    if group_size(group) == 1:
-        return flag
-    x = torch.tensor([int(flag)])
-    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
-    return bool(x)
+    return bool(all_reduce_max([int(flag)], group)[0])
 
 
 def broadcast_int(value: int, group: dist.ProcessGroup | None) -> int:

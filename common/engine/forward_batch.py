@@ -29,6 +29,8 @@ class ForwardBatch:
     slot_mapping: dict[str, torch.Tensor]  # group -> [T] int64, cache row of each new token
     max_seqlen_q: int = 0  # host: the longest sequence's new tokens (1: a decode batch)
     max_seqlen_k: int = 0  # host: the longest kv length (a padded decode batch: the bound it was built for)
+    uniform_across_ranks: bool = False  # host: every rank forwards this batch's shape this step (graph mode pads
+    #   all data-parallel ranks to one bucket), so collectives exchange no sizes and the expert dispatch no splits
 
     @property
     def num_seqs(self) -> int:
@@ -39,8 +41,9 @@ class ForwardBatch:
               block_size: int, device=None, pad_to: int | None = None, table_width: int | None = None,
               max_seqlen_k: int | None = None) -> "ForwardBatch":
         """new_tokens[b]: the tokens computed this step for sequence b, which already has num_computed[b] in cache.
-        pad_to: append padding sequences up to this many; table_width: block-table columns (default: the widest
-        table); max_seqlen_k: the kv-length bound ops pad to (default: the longest kv length)."""
+        pad_to: append padding sequences up to this many, a graph-mode bucket that every rank of the step pads to
+        (so the batch is uniform_across_ranks); table_width: block-table columns (default: the widest table);
+        max_seqlen_k: the kv-length bound ops pad to (default: the longest kv length)."""
         if pad_to is not None and pad_to > len(new_tokens):
             n = pad_to - len(new_tokens)
             groups = block_tables[0] if block_tables else ()
@@ -71,6 +74,7 @@ class ForwardBatch:
             seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
             block_size=block_size, block_tables=tables, slot_mapping=slots, max_seqlen_q=max(q_lens, default=0),
             max_seqlen_k=max_seqlen_k if max_seqlen_k is not None else max(kv_lens, default=0),
+            uniform_across_ranks=pad_to is not None,
         )
 
     @classmethod

@@ -17,6 +17,11 @@ folder may serve another CPU kind (an AVX-512 graph rebuilt for AVX2 indexes out
 `cpp.simdlen` to the width inductor picks here (`inductor_options`), which puts it in the key. At run time a step
 that would recompile (the model's caches reallocated with other shapes by
 another engine on the same model) fails loudly instead of stalling for a compile.
+
+Over several ranks (TP / DP / EP, gloo on CPU) the collectives are traced into the graph (torch's functional
+collectives), and every step the data-parallel ranks agree on one bucket or on eager (`step_bucket`); a graph
+step is `uniform_across_ranks`, so the vocabulary-parallel gathers exchange no sizes and the expert dispatch sends
+fixed-capacity buffers (common.parallel.dispatch_to_experts) instead of splits read on the host.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ import time
 
 import torch
 from tqdm.auto import tqdm
+
+from common import parallel as par
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
@@ -42,8 +49,8 @@ def decode_step(model, batch: ForwardBatch, keep_streams: bool):
     """What a bucket runs: the logits of every row [B, V] and, for the MTP drafts, the residual streams [B, n, D]."""
     if keep_streams:
         streams = model.residual_streams(batch)  # [B, n, D]
-        return model.compute_logits(model.final_hidden(streams)), streams
-    return model.compute_logits(model(batch)), None
+        return model.compute_logits(model.final_hidden(streams), uniform=True), streams
+    return model.compute_logits(model(batch), uniform=True), None
 
 
 class GraphRunner:
@@ -53,8 +60,7 @@ class GraphRunner:
             raise ValueError(f"exe_mode graph captures decode steps on CPU (torch.compile) in this version; on "
                              f"{device.type} run exe_mode eager")
         parallel = getattr(model, "parallel", None)
-        if parallel is not None and parallel.distributed:
-            raise ValueError("exe_mode graph runs one process in this version; with TP / DP / EP run exe_mode eager")
+        self.dp_group = parallel.group("attn_dp") if parallel is not None else None
         self.sizes = config.graph_capture_sizes
         self.block_size, self.max_seqlen_k = config.block_size, config.max_model_len
         ahead = 2 * config.num_speculative_tokens  # MTP: blocks allocated for the drafts' lookahead
@@ -70,11 +76,23 @@ class GraphRunner:
         """The smallest capture size that holds num_seqs sequences, or None."""
         return next((n for n in self.sizes if n >= num_seqs), None)
 
+    def step_bucket(self, num_seqs: int, fits: bool) -> int | None:
+        """The bucket this step runs in, or None: eager. fits: this rank's step is one a graph runs (or it has
+        nothing to run). Data-parallel ranks decide together (one all-reduce): their steps' collectives (expert
+        dispatch, vocabulary-parallel gathers) meet only if all run graphs of one bucket, or all run eager; a rank
+        with nothing to run then forwards padding alone. Attention-TP peers run the same requests alike."""
+        refuse, most = par.all_reduce_max([int(not fits), num_seqs], self.dp_group)
+        return None if refuse or not most else self.bucket(most)
+
+    def padding(self, n: int) -> ForwardBatch:
+        """A step of padding alone, n sequences (start-up compiles, and a data-parallel rank with nothing to run)."""
+        return self.build([[0]] * n, [0] * n, [dict.fromkeys(self.groups, [])] * n)
+
     def build(self, new_tokens: list[list[int]], num_computed: list[int],
-              block_tables: list[dict[str, list[int]]]) -> ForwardBatch:
-        """The step's one-token sequences padded to their bucket."""
+              block_tables: list[dict[str, list[int]]], bucket: int | None = None) -> ForwardBatch:
+        """The step's one-token sequences padded to `bucket` (default: the smallest that holds them)."""
         return ForwardBatch.build(new_tokens, num_computed, block_tables, self.block_size, self.device,
-                                  pad_to=self.bucket(len(new_tokens)), table_width=self.table_width,
+                                  pad_to=bucket or self.bucket(len(new_tokens)), table_width=self.table_width,
                                   max_seqlen_k=self.max_seqlen_k)
 
     @torch.inference_mode()
@@ -83,7 +101,7 @@ class GraphRunner:
         start = time.perf_counter()
         with torch._dynamo.config.patch(recompile_limit=len(self.sizes) + 1):
             for n in tqdm(self.sizes, desc="compile decode graphs", unit="bucket", disable=not show_progress):
-                self._compiled(self.build([[0]] * n, [0] * n, [dict.fromkeys(self.groups, [])] * n))  # padding
+                self._compiled(self.padding(n))
         self.capture_seconds = time.perf_counter() - start
 
     def run(self, batch: ForwardBatch):

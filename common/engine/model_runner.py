@@ -50,7 +50,8 @@ def blocks_that_fit(model, config: EngineConfig) -> dict[str, int]:
 class ModelRunner:
     """The model must provide: cache_specs(block_size) -> [CacheGroupSpec], cache_bytes_per_block(block_size),
     allocate_caches(num_blocks: {group: n}, block_size), forward(ForwardBatch) -> hidden [T, D] and
-    compute_logits(hidden [N, D]) -> [N, V]; for PD disaggregation also cache_tensors() -> {group: [tensors
+    compute_logits(hidden [N, D], uniform=False) -> [N, V] (uniform: every rank scores N rows, a graph-mode
+    step); for PD disaggregation also cache_tensors() -> {group: [tensors
     [num_blocks, ...]]}."""
 
     def __init__(self, model, config: EngineConfig, num_blocks: dict[str, int], keep_streams: bool = False):
@@ -69,7 +70,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_idle(self) -> None:
-        """A forward of no tokens, for a data-parallel rank with nothing to run (its collectives meet the others')."""
+        """A forward of no tokens, for a data-parallel rank with nothing to run (its collectives meet the others'):
+        padding alone through the graph of the others' bucket when they run one."""
+        if self.graphs is not None and (bucket := self.graphs.step_bucket(0, True)) is not None:
+            self.graphs.run(self.graphs.padding(bucket))
+            return
         hidden = self.model(ForwardBatch.empty([s.name for s in self.specs], self.config.block_size, self.device))
         self.model.compute_logits(hidden)
 
@@ -78,9 +83,11 @@ class ModelRunner:
         """Forward the scheduled tokens; logits for the rows that sample and for the prompt positions scored."""
         new_tokens = [s.request.all_token_ids[s.start : s.end - len(s.draft_token_ids)] + s.draft_token_ids
                       for s in scheduled]
-        if self.graphs is not None and self.graphs.bucket(len(scheduled)) is not None and all(
-                s.num_new_tokens == 1 and not s.prompt_logprob_positions for s in scheduled):
-            return self._execute_graph(scheduled, new_tokens, block_tables)
+        if self.graphs is not None:
+            fits = self.graphs.bucket(len(scheduled)) is not None and all(
+                s.num_new_tokens == 1 and not s.prompt_logprob_positions for s in scheduled)
+            if (bucket := self.graphs.step_bucket(len(scheduled), fits)) is not None:
+                return self._execute_graph(scheduled, new_tokens, block_tables, bucket)
         batch = ForwardBatch.build(new_tokens, [s.start for s in scheduled], block_tables, self.config.block_size,
                                    self.device)
         streams = None
@@ -104,9 +111,9 @@ class ModelRunner:
                                  [end - s.num_new_tokens for s, end in zip(scheduled, ends)])
 
     def _execute_graph(self, scheduled: list[ScheduledRequest], new_tokens: list[list[int]],
-                       block_tables: list[dict[str, list[int]]]) -> ModelRunnerOutput:
+                       block_tables: list[dict[str, list[int]]], bucket: int) -> ModelRunnerOutput:
         """A step of one-token sequences through its bucket's graph: the same output as `execute`'s."""
-        batch = self.graphs.build(new_tokens, [s.start for s in scheduled], block_tables)
+        batch = self.graphs.build(new_tokens, [s.start for s in scheduled], block_tables, bucket)
         logits, streams = self.graphs.run(batch)  # [bucket, V], [bucket, n, D] or None
         rows = torch.tensor([b for b, s in enumerate(scheduled) if s.sample], dtype=torch.long, device=logits.device)
         logits = logits[rows]

@@ -64,9 +64,6 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     a.exe_mode = a.exe_mode or a.preset.get("exe_mode", "eager")  # --exe-mode > the preset's > eager
     if a.exe_mode not in EXE_MODES:
         p.error(f"--config {a.config.name}: exe_mode {a.exe_mode!r}, expected one of {list(EXE_MODES)}")
-    if a.exe_mode == "graph" and a.layout.world_size > 1:
-        p.error(f"--config {a.config.name}: exe_mode graph runs one process in this version; this preset has "
-                f"{a.layout.world_size} ranks (run it with --exe-mode eager)")
     try:
         EngineConfig.from_kwargs(**(a.preset.get("engine") or {}))  # checked before any rank starts
     except (ValueError, TypeError) as e:

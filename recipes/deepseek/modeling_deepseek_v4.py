@@ -356,8 +356,9 @@ class MoE(nn.Module):
         self.experts = Experts(args, E)  # this rank's E/P
         self.shared_experts = SharedExpert(args) if args.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, D] (the same on every attention-TP rank) -> [T, D]."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, uniform: bool = False) -> torch.Tensor:
+        """x [T, D] (the same on every attention-TP rank) -> [T, D]. uniform: every rank runs T tokens (a
+        graph-mode step), so the expert dispatch exchanges fixed-capacity buffers (no split read on the host)."""
         a = self.args
         runs = x.tensor_split(self.tp_size)  # each attention-TP rank routes its share of the tokens
         x_r, ids_r = runs[self.tp_rank], input_ids.tensor_split(self.tp_size)[self.tp_rank]  # [T_r, D], [T_r]
@@ -368,7 +369,8 @@ class MoE(nn.Module):
             tid2eid=self.gate.tid2eid if self.hash else None, input_ids=ids_r if self.hash else None,
         )  # [T_r, k], [T_r, k]
         xs, row_idx, counts = ops.moe_init_routing(x_r, idx, a.n_routed_experts)  # [T_r*k, D] by global expert
-        xe, local_counts, handle = par.dispatch_to_experts(xs, counts, self.ep_group)  # [M, D] by local expert
+        xe, local_counts, handle = par.dispatch_to_experts(
+            xs, counts, self.ep_group, capacity=xs.shape[0] if uniform else None)  # [M, D] by local expert
         h = ops.swiglu(self.experts.matmul(xe, "w13", local_counts), a.swiglu_limit)  # [M, I]
         y = par.combine_from_experts(self.experts.matmul(h, "w2", local_counts), handle, self.ep_group)
         shared = self.shared_experts(x_r) if self.shared_experts is not None else None
@@ -435,7 +437,7 @@ class Block(nn.Module):
         h, post, comb = self._hc("attn", x)
         x = hc_post(self.attn(self.attn_norm(h), batch), x, post, comb)
         h, post, comb = self._hc("ffn", x)
-        return hc_post(self.ffn(self.ffn_norm(h), batch.input_ids), x, post, comb)
+        return hc_post(self.ffn(self.ffn_norm(h), batch.input_ids, batch.uniform_across_ranks), x, post, comb)
 
 
 def hc_head(x: torch.Tensor, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
@@ -562,12 +564,15 @@ class DeepseekV4(nn.Module):
         """-> final hidden states [T, D] (feed the rows you need to `compute_logits`)."""
         return self.final_hidden(self.residual_streams(batch))
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return par.vocab_parallel_embedding(input_ids, self.embed, self.vocab_start, self.embed_group)  # [T, D]
+    def embed_tokens(self, input_ids: torch.Tensor, uniform: bool = False) -> torch.Tensor:
+        """[T] -> [T, D]; uniform: every rank embeds T tokens (a graph-mode step: no sizes exchanged)."""
+        return par.vocab_parallel_embedding(input_ids, self.embed, self.vocab_start, self.embed_group,
+                                            uniform)  # [T, D]
 
     def residual_streams(self, batch: ForwardBatch) -> torch.Tensor:
         """The last layer's n residual streams [T, n, D], before hc_head (what the MTP blocks read)."""
-        x = self.embed_tokens(batch.input_ids).unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+        x = self.embed_tokens(batch.input_ids, batch.uniform_across_ranks)  # [T, D]
+        x = x.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [T, n, D]
         for layer in self.layers:
             x = layer(x, batch)  # [T, n, D]
         return x
@@ -578,8 +583,9 @@ class DeepseekV4(nn.Module):
         h = hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a.hc_eps, a.rms_norm_eps)
         return self.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return par.vocab_parallel_logits(hidden, self.head, self.head_group).float()  # [N, V]
+    def compute_logits(self, hidden: torch.Tensor, uniform: bool = False) -> torch.Tensor:
+        """[N, D] -> [N, V] fp32; uniform: every rank scores N rows (a graph-mode step)."""
+        return par.vocab_parallel_logits(hidden, self.head, self.head_group, uniform).float()  # [N, V]
 
 
 @torch.no_grad()

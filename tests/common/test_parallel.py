@@ -115,3 +115,39 @@ def test_missing_rank_times_out_instead_of_hanging(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode != 0 and time.monotonic() - start < 30
     assert "rank 0 of 2: gloo process group at 127.0.0.1" in res.stderr and "within 2 s" in res.stderr
+
+
+def _dispatch_both_ways(out_dir):
+    """Each rank routes rows to 4 experts (2 a rank) with its own counts, one of them all to a single expert:
+    the fixed-capacity dispatch (graph mode) hands each expert the rows the split dispatch does, and both
+    combines return every row to where it came from."""
+    par = parallel.init_parallel(parallel.LLMParallelLayout(world_size=2), timeout_s=60)
+    try:
+        group = par.group("moe_ep")
+        counts = torch.tensor([[2, 0, 1, 3], [0, 0, 0, 5]][par.rank])  # rank 1: every row to expert 3 (rank 1)
+        rows = torch.randn(int(counts.sum()), 3, generator=torch.Generator().manual_seed(par.rank))  # [M, D]
+        split_rows, split_counts, split = parallel.dispatch_to_experts(rows, counts, group)
+        fixed_rows, fixed_counts, fixed = parallel.dispatch_to_experts(rows, counts, group, capacity=6)  # every rank's
+        n = int(split_counts.sum())
+        assert torch.equal(fixed_counts, split_counts) and fixed_rows.shape[0] == 2 * 6 >= n
+        assert torch.equal(fixed_rows[:n], split_rows)  # the same rows in the same expert order; padding after
+        expert = torch.repeat_interleave(torch.arange(2), split_counts)  # [n] local expert of each row
+        scale = lambda x, e: x * (10 * par.rank + e[:, None] + 1)  # noqa: E731 - an "expert" that tells them apart
+        y_fixed = torch.cat([scale(fixed_rows[:n], expert), fixed_rows[n:]])
+        back_split = parallel.combine_from_experts(scale(split_rows, expert), split, group)
+        back_fixed = parallel.combine_from_experts(y_fixed, fixed, group)
+        assert torch.equal(back_fixed, back_split)
+        owner_expert = torch.repeat_interleave(torch.arange(4), counts)  # global expert of each row sent
+        torch.testing.assert_close(back_split, rows * (10 * (owner_expert // 2) + owner_expert % 2 + 1)[:, None])
+        with pytest.raises(ValueError, match="capacity"):
+            parallel.dispatch_to_experts(rows, counts, group, capacity=4)
+        (out_dir / f"ok{par.rank}").touch()
+    finally:
+        parallel.destroy_parallel()
+
+
+@pytest.mark.slow
+def test_fixed_capacity_expert_dispatch_equals_the_split_one(tmp_path):
+    from dist_helpers import run_ranks
+    run_ranks(_dispatch_both_ways, 2, tmp_path)
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()

@@ -77,6 +77,8 @@ def rank_generate(path, world, layout, engine_kwargs, num_prompts, sampled, out_
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.kv_cache.all_blocks_free()
         assert not mtp or llm.engine.stats.num_draft_tokens > 0  # the drafts were verified on every rank
+        if (graphs := llm.engine.runner.graphs) is not None:  # decode steps ran as graphs on every rank
+            assert all(graphs.replays.values())
         torch.save(([o.token_ids for o in outs], llm.engine.scheduler.num_preemptions), out_dir / f"gen{parallel.rank}.pt")
     finally:
         destroy_parallel()
@@ -91,7 +93,14 @@ def rank_generate(path, world, layout, engine_kwargs, num_prompts, sampled, out_
     # MTP MoE dispatches over EP), the one with fewer requests (3 prompts over 2 ranks) on empty batches at the end
     (2, {"attn_tp": 2}, {"num_speculative_tokens": 2}, 4, True),
     (2, {"lmhead_tp": 2}, {"num_speculative_tokens": 3, "max_num_batched_tokens": 8}, 3, False),
-], ids=["tp2-chunked-preempted", "dp2-ep2-chunked-preempted", "dp2xtp2-ep4-idle", "tp2-mtp2", "dp2-ep2-mtp3-chunked"])
+    # graph-mode decode over ranks: DP ranks agree on a bucket each step (2: the rank of 2 requests; 1: the rank
+    # of 1, and padding alone once it is done), experts dispatched in fixed-capacity buffers, vocabulary split
+    (2, {"embed_tp": 2, "lmhead_tp": 2}, {"exe_mode": "graph", "graph_capture_sizes": (1, 2),
+                                          "max_num_batched_tokens": 8}, 3, False),
+    (2, {"attn_tp": 2}, {"exe_mode": "graph", "graph_capture_sizes": (2,)}, 1, True),  # TP2 (EP2): a greedy and
+    # a sampled request in bucket 2, drawn alike by the TP peers
+], ids=["tp2-chunked-preempted", "dp2-ep2-chunked-preempted", "dp2xtp2-ep4-idle", "tp2-mtp2", "dp2-ep2-mtp3-chunked",
+        "dp2-ep2-vocab2-graph", "tp2-graph"])
 def test_greedy_generation_over_ranks_equals_one_process(checkpoint, tmp_path, world, layout, engine_kwargs,
                                                         num_prompts, sampled):
     from common.engine import LLM, SamplingParams
