@@ -18,6 +18,12 @@ folder may serve another CPU kind (an AVX-512 graph rebuilt for AVX2 indexes out
 that would recompile (the model's caches reallocated with other shapes by
 another engine on the same model) fails loudly instead of stalling for a compile.
 
+CUDA: the same compile per bucket (inductor's Triton kernels; the MoE's expert matmuls traced as
+common.ops.reference.moe.static_grouped_matmul, which reads no group size on the host), then one
+torch.cuda.CUDAGraph captured per bucket over fixed input buffers (`ForwardBatch.copy_` fills them each step;
+the largest bucket first, the others in its memory pool). Not run in this repository's CI (no GPU there).
+NPU: refused (the fused attention takes its sequence lengths as host lists, which a captured graph would freeze).
+
 Over several ranks (TP / DP / EP, gloo on CPU) the collectives are traced into the graph (torch's functional
 collectives), and every step the data-parallel ranks agree on one bucket or on eager (`step_bucket`); a graph
 step is `uniform_across_ranks`, so the vocabulary-parallel gathers exchange no sizes and the expert dispatch sends
@@ -56,9 +62,11 @@ def decode_step(model, batch: ForwardBatch, keep_streams: bool):
 class GraphRunner:
     def __init__(self, model, config: EngineConfig, groups: list[str], device: torch.device, keep_streams: bool):
         """groups: the model's cache groups (the padding sequences get an empty table in each)."""
-        if device.type != "cpu":
-            raise ValueError(f"exe_mode graph captures decode steps on CPU (torch.compile) in this version; on "
-                             f"{device.type} run exe_mode eager")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"exe_mode graph runs on CPU (torch.compile) and CUDA (torch.compile, then a CUDA graph per bucket) in "
+                f"this version, not on {device.type}: an NPU graph needs the attention's host sequence lengths "
+                "updated at every replay (torchair's npugraph_ex), which is not built; run exe_mode eager")
         parallel = getattr(model, "parallel", None)
         self.dp_group = parallel.group("attn_dp") if parallel is not None else None
         self.sizes = config.graph_capture_sizes
@@ -71,6 +79,10 @@ class GraphRunner:
         self.capture_seconds: float | None = None
         self._compiled = torch.compile(lambda batch: decode_step(model, batch, keep_streams),
                                        fullgraph=True, dynamic=False, options=inductor_options())
+        self._inputs: dict[int, ForwardBatch] = {}  # bucket -> the buffers its graph reads (each step copied in)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # CUDA: bucket -> its captured graph
+        self._outputs: dict[int, tuple] = {}  # CUDA: bucket -> what its graph writes (logits, streams or None)
+        self._pool = None  # CUDA: the memory pool the graphs share
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest capture size that holds num_seqs sequences, or None."""
@@ -97,15 +109,36 @@ class GraphRunner:
 
     @torch.inference_mode()
     def capture(self, show_progress: bool = True) -> None:
-        """Compile every bucket now, by a step over padding alone."""
+        """Compile every bucket now, by a step over padding alone; on CUDA then capture it (largest bucket first,
+        the smaller ones in its memory pool, as vLLM does), after that step warmed it up."""
         start = time.perf_counter()
+        cuda = self.device.type == "cuda"
         with torch._dynamo.config.patch(recompile_limit=len(self.sizes) + 1):
-            for n in tqdm(self.sizes, desc="compile decode graphs", unit="bucket", disable=not show_progress):
-                self._compiled(self.padding(n))
+            for n in tqdm(sorted(self.sizes, reverse=cuda), desc="compile decode graphs", unit="bucket",
+                          disable=not show_progress):
+                self._inputs[n] = self.padding(n)
+                self._compiled(self._inputs[n])
+                if cuda:
+                    self._capture_cuda(n)
         self.capture_seconds = time.perf_counter() - start
 
+    def _capture_cuda(self, n: int) -> None:
+        self._compiled(self._inputs[n])  # a second warm-up: what the first call allocated lazily is there now
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._outputs[n] = self._compiled(self._inputs[n])
+        self._pool = graph.pool()
+        self._graphs[n] = graph
+
     def run(self, batch: ForwardBatch):
-        """(logits [bucket, V], streams [bucket, n, D] or None) of a batch from `build`."""
-        self.replays[batch.num_seqs] += 1
+        """(logits [bucket, V], streams [bucket, n, D] or None) of a batch from `build`. On CUDA the graph's own
+        output buffers, which the next replay overwrites: read them before the next step."""
+        n = batch.num_seqs
+        self.replays[n] += 1
+        inputs = self._inputs[n].copy_(batch)
+        if n in self._graphs:
+            self._graphs[n].replay()
+            return self._outputs[n]
         with torch.compiler.set_stance("fail_on_recompile"):
-            return self._compiled(batch)
+            return self._compiled(inputs)

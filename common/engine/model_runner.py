@@ -119,4 +119,5 @@ class ModelRunner:
         logits = logits[rows]
         backend.synchronize()
         n = len(scheduled)
-        return ModelRunnerOutput(logits.float(), [None] * n, None if streams is None else streams[:n], list(range(n)))
+        return ModelRunnerOutput(logits.float(), [None] * n, None if streams is None else streams[:n].clone(),
+                                 list(range(n)))  # clone: a CUDA graph's output buffer is overwritten next step

@@ -369,8 +369,9 @@ class MoE(nn.Module):
             tid2eid=self.gate.tid2eid if self.hash else None, input_ids=ids_r if self.hash else None,
         )  # [T_r, k], [T_r, k]
         xs, row_idx, counts = ops.moe_init_routing(x_r, idx, a.n_routed_experts)  # [T_r*k, D] by global expert
-        xe, local_counts, handle = par.dispatch_to_experts(
-            xs, counts, self.ep_group, capacity=xs.shape[0] if uniform else None)  # [M, D] by local expert
+        capacity = runs[0].shape[0] * a.num_experts_per_tok if uniform else None  # the largest share's rows: every
+        #   rank's (tensor_split gives the first ranks one more token when T is not a multiple of attn_tp)
+        xe, local_counts, handle = par.dispatch_to_experts(xs, counts, self.ep_group, capacity)  # [M, D] by expert
         h = ops.swiglu(self.experts.matmul(xe, "w13", local_counts), a.swiglu_limit)  # [M, I]
         y = par.combine_from_experts(self.experts.matmul(h, "w2", local_counts), handle, self.ep_group)
         shared = self.shared_experts(x_r) if self.shared_experts is not None else None

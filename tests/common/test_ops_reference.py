@@ -432,3 +432,19 @@ def test_grouped_matmul_handles_empty_groups():
     counts = torch.tensor([2, 0, 3])
     want = torch.cat([x[:2] @ w[0].T, x[2:] @ w[2].T])
     close(ref.grouped_matmul(x, w, counts), want)
+
+
+@pytest.mark.parametrize("counts", [[2, 0, 1], [3, 0, 1, 2, 0, 1]], ids=["gathered-M<E", "all-experts-M>=E"])
+def test_static_grouped_matmul_equals_the_expert_loop_compiled_too(counts):
+    """The accelerator's graph-mode expert matmul (no group size read on the host) gives the loop's rows, eager
+    and compiled fullgraph (traced as it is, no custom op); rows past the counts (dispatch padding) are free."""
+    from common.ops.reference.moe import static_grouped_matmul
+    counts = torch.tensor(counts)
+    E, M = 5 if len(counts) == 3 else 6, int(counts.sum()) + 1  # one padding row
+    counts = torch.cat([counts, counts.new_zeros(E - len(counts))])
+    x, w = torch.randn(M, 8), torch.randn(E, 6, 8)
+    n = M - 1
+    want = ref.grouped_matmul(x[:n], w, counts)
+    close(static_grouped_matmul(x, w, counts)[:n], want)
+    compiled = torch.compile(static_grouped_matmul, fullgraph=True, dynamic=False)
+    close(compiled(x, w, counts)[:n], want)

@@ -91,12 +91,29 @@ def grouped_matmul(
 
     One GEMM per expert over its rows, split on the host (`tolist` of the group sizes). On CPU that is no device
     sync; under torch.compile the split runs inside one custom op, opaque to it, so a compiled decode step keeps
-    it whole (fullgraph) with static shapes around it ([M, K] in, [M, N] out). Eager (and autograd, and the FLOP
-    counter) see the loop itself."""
+    it whole (fullgraph) with static shapes around it ([M, K] in, [M, N] out). On an accelerator a split read on
+    the host is a device sync, which a captured graph cannot hold: compiled there, the matmul is `static_grouped_
+    matmul`'s. Eager (and autograd, and the FLOP counter) see the loop itself."""
     weights = weight.experts if isinstance(weight, cpu_gemm.PackedExperts) else [weight]
     if torch.compiler.is_compiling():
-        return torch.ops.npu_cookbook.grouped_matmul(x, weights, tokens_per_expert)
+        if x.device.type == "cpu":
+            return torch.ops.npu_cookbook.grouped_matmul(x, weights, tokens_per_expert)
+        return static_grouped_matmul(x, weight, tokens_per_expert)
     return _expert_loop(x, weights, tokens_per_expert)
+
+
+def static_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """grouped_matmul without reading the group sizes on the host (no device sync, shapes fixed by x and weight):
+    fewer rows than experts (M < E), each row's expert weight gathered and one batched GEMM (reads M of the E
+    [N, K] matrices); else every expert over every row (reads each matrix once: with M >= E rows a decode batch
+    touches most experts anyway) and each row's own result picked. Rows past sum(tokens_per_expert) get the last
+    expert's product (callers ignore them). x [M, K], weight [E, N, K] dense -> [M, N]."""
+    M, E = x.shape[0], weight.shape[0]
+    rows = torch.arange(M, device=x.device)
+    expert = torch.searchsorted(tokens_per_expert.cumsum(0), rows, right=True).clamp(max=E - 1)  # [M]
+    if M < E:
+        return torch.bmm(x.unsqueeze(1), weight[expert].transpose(1, 2)).squeeze(1)  # [M, 1, K] @ [M, K, N]
+    return torch.einsum("mk,enk->emn", x, weight)[expert, rows]  # [E, M, N] -> [M, N]
 
 
 @torch.library.custom_op("npu_cookbook::grouped_matmul", mutates_args=())

@@ -110,6 +110,30 @@ def test_forward_batch_refuses_a_sequence_past_its_bucket():
         ForwardBatch.build([[1]], [40], [{"g": [1, 2, 3]}], block_size=16, max_seqlen_k=32)
 
 
+def test_forward_batch_copy_fills_a_bucket_and_refuses_another():
+    """Graph replay reads fixed buffers: copy_ fills them from the step's batch of the same bucket, every field."""
+    tables = [{"g": [1, 2]}, {"g": [3]}]
+    static = ForwardBatch.build([[0]] * 2, [0, 0], [{"g": []}] * 2, 16, pad_to=4, table_width=4, max_seqlen_k=64)
+    step = ForwardBatch.build([[5], [6]], [20, 7], tables, 16, pad_to=4, table_width=4, max_seqlen_k=64)
+    static.copy_(step)
+    for name in ("input_ids", "positions", "seq_ids", "cu_seqlens_q", "seq_lens"):
+        assert torch.equal(getattr(static, name), getattr(step, name))
+    assert torch.equal(static.block_tables["g"], step.block_tables["g"])
+    assert torch.equal(static.slot_mapping["g"], step.slot_mapping["g"])
+    for other in (ForwardBatch.build([[5]], [20], tables[:1], 16, pad_to=2, table_width=4, max_seqlen_k=64),
+                  ForwardBatch.build([[5]], [20], tables[:1], 16, pad_to=4, table_width=4, max_seqlen_k=128)):
+        with pytest.raises(ValueError, match="copy_"):
+            static.copy_(other)
+
+
+def test_graph_mode_refuses_a_device_it_cannot_capture_on(setup):
+    from common.engine.graph_runner import GraphRunner
+    *_, path = setup
+    config = EngineConfig(exe_mode="graph", max_num_seqs=2).resolve(1024)
+    with pytest.raises(ValueError, match="not on meta.*exe_mode eager"):
+        GraphRunner(load_model(path, torch.float32), config, ["g"], torch.device("meta"), keep_streams=False)
+
+
 def test_capture_sizes_default_to_powers_of_two_and_max_num_seqs():
     assert EngineConfig(max_num_seqs=16, exe_mode="graph").resolve(1024).graph_capture_sizes == (1, 2, 4, 8, 16)
     assert EngineConfig(max_num_seqs=6, exe_mode="graph").resolve(1024).graph_capture_sizes == (1, 2, 4, 6)

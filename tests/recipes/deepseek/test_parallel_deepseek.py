@@ -97,8 +97,9 @@ def rank_generate(path, world, layout, engine_kwargs, num_prompts, sampled, out_
     # of 1, and padding alone once it is done), experts dispatched in fixed-capacity buffers, vocabulary split
     (2, {"embed_tp": 2, "lmhead_tp": 2}, {"exe_mode": "graph", "graph_capture_sizes": (1, 2),
                                           "max_num_batched_tokens": 8}, 3, False),
-    (2, {"attn_tp": 2}, {"exe_mode": "graph", "graph_capture_sizes": (2,)}, 1, True),  # TP2 (EP2): a greedy and
-    # a sampled request in bucket 2, drawn alike by the TP peers
+    # TP2 (EP2): a greedy and a sampled request (drawn alike by the TP peers) one after the other in bucket 1, the
+    # token of a step routed by one TP rank (the expert dispatch's capacity is still the same on both)
+    (2, {"attn_tp": 2}, {"exe_mode": "graph", "graph_capture_sizes": (1,), "max_num_seqs": 1}, 1, True),
 ], ids=["tp2-chunked-preempted", "dp2-ep2-chunked-preempted", "dp2xtp2-ep4-idle", "tp2-mtp2", "dp2-ep2-mtp3-chunked",
         "dp2-ep2-vocab2-graph", "tp2-graph"])
 def test_greedy_generation_over_ranks_equals_one_process(checkpoint, tmp_path, world, layout, engine_kwargs,
