@@ -6,9 +6,10 @@ the model (see common.kv_cache.CacheGroupSpec); every group is a token-block tab
 `max_seqlen_q` / `max_seqlen_k` (flash-attn's names) are host ints known when the batch is built: the longest new
 chunk and the longest kv length. Ops size their padded widths from them instead of reading tensors, so a step
 has no host sync and, in a padded decode batch (graph mode: `pad_to`, `table_width`, `max_seqlen_k` fixed per
-bucket), no shape that depends on the requests. Padding sequences have one token (id 0, position 0, kv length 1)
-whose every slot is row 0 of the null block 0: they write nowhere a real sequence reads, and real rows never see
-them.
+bucket), no shape that depends on the requests. Padding sequences have as many tokens as the longest real one
+(a graph step's are uniform: 1, or 1 + the MTP drafts verified; ids 0, positions from 0) and an empty block table,
+so their every slot is a row of the null block 0: they write nowhere a real sequence reads, and real rows never
+see them.
 """
 from __future__ import annotations
 
@@ -45,9 +46,9 @@ class ForwardBatch:
         (so the batch is uniform_across_ranks); table_width: block-table columns (default: the widest table);
         max_seqlen_k: the kv-length bound ops pad to (default: the longest kv length)."""
         if pad_to is not None and pad_to > len(new_tokens):
-            n = pad_to - len(new_tokens)
+            n, q = pad_to - len(new_tokens), max(map(len, new_tokens), default=1)  # as many tokens as the others
             groups = block_tables[0] if block_tables else ()
-            new_tokens, num_computed = [*new_tokens, *[[0]] * n], [*num_computed, *[0] * n]
+            new_tokens, num_computed = [*new_tokens, *[[0] * q] * n], [*num_computed, *[0] * n]
             block_tables = [*block_tables, *[{g: [] for g in groups}] * n]
         q_lens = [len(t) for t in new_tokens]
         kv_lens = [c + n for c, n in zip(num_computed, q_lens)]

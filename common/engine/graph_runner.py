@@ -1,11 +1,12 @@
 """Graph-mode decode (exe_mode "graph"): a decode step padded to a batch bucket and run as one compiled graph.
 
 Upstream runs decode as a captured graph (`exe_mode: npugraph_ex`) with prefill eager; vLLM-Ascend likewise (ACL
-graph, FULL_DECODE_ONLY). Here a step whose every scheduled sequence computes one token (decodes, and one-token
-prompt chunks: the same computation) and none scores prompt positions is padded to the smallest capture size
-that holds it: ForwardBatch.build with `pad_to` the bucket, block tables `max_model_len / block_size` wide and
-`max_seqlen_k = max_model_len`, so every shape of the step is the bucket's alone (the model reads no tensor on
-the host: see ForwardBatch). Every other step (prefill, mixed prefill + decode, MTP verification) runs eager.
+graph, FULL_DECODE_ONLY). Here a step whose every scheduled sequence computes `query_len` tokens (decodes: one;
+with MTP, the token and its k drafts verified: 1 + k; a prompt chunk of that length is the same computation)
+and none scores prompt positions is padded to the smallest capture size that holds it: ForwardBatch.build with
+`pad_to` the bucket, block tables `max_model_len / block_size` wide and `max_seqlen_k = max_model_len`, so every
+shape of the step is the bucket's alone (the model reads no tensor on the host: see ForwardBatch). Every other
+step (prefill, mixed prefill + decode, an MTP step whose drafts were cut short) runs eager.
 
 CPU: each bucket is `torch.compile(fullgraph=True, dynamic=False)` (inductor), compiled at start-up, one bucket
 after the other under a progress bar, by a step over padding alone (padding writes only to the null block).
@@ -15,8 +16,8 @@ cache under TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_<user>), so a se
 compiles nothing. That cache keys a graph by its code, not by the vector width inductor wrote it for, and the same
 folder may serve another CPU kind (an AVX-512 graph rebuilt for AVX2 indexes out of bounds): the compile pins
 `cpp.simdlen` to the width inductor picks here (`inductor_options`), which puts it in the key. At run time a step
-that would recompile (the model's caches reallocated with other shapes by
-another engine on the same model) fails loudly instead of stalling for a compile.
+fails loudly instead of stalling for a compile (`fail_on_recompile`), and a step after the model's caches were
+reallocated (another engine on the same model) fails before it runs.
 
 CUDA: the same compile per bucket (inductor's Triton kernels; the MoE's expert matmuls traced as
 common.ops.reference.moe.static_grouped_matmul, which reads no group size on the host), then one
@@ -40,6 +41,9 @@ from common import parallel as par
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
+
+
+RECOMPILE_LIMIT = 256  # compiled decode graphs a process may hold, all graph engines together
 
 
 def inductor_options() -> dict:
@@ -73,12 +77,15 @@ class GraphRunner:
         self.block_size, self.max_seqlen_k = config.block_size, config.max_model_len
         ahead = 2 * config.num_speculative_tokens  # MTP: blocks allocated for the drafts' lookahead
         self.table_width = -(-(config.max_model_len + ahead) // config.block_size)  # blocks of the longest sequence
+        self.query_len = 1 + config.num_speculative_tokens  # tokens a sequence computes in a graph step: MTP verifies
         self.groups = groups
         self.device = device
         self.replays = dict.fromkeys(self.sizes, 0)  # bucket -> steps it ran
         self.capture_seconds: float | None = None
         self._compiled = torch.compile(lambda batch: decode_step(model, batch, keep_streams),
                                        fullgraph=True, dynamic=False, options=inductor_options())
+        self._model = model
+        self._captured_caches: list[int] = []  # the cache tensors the graphs were built over
         self._inputs: dict[int, ForwardBatch] = {}  # bucket -> the buffers its graph reads (each step copied in)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # CUDA: bucket -> its captured graph
         self._outputs: dict[int, tuple] = {}  # CUDA: bucket -> what its graph writes (logits, streams or None)
@@ -96,13 +103,17 @@ class GraphRunner:
         refuse, most = par.all_reduce_max([int(not fits), num_seqs], self.dp_group)
         return None if refuse or not most else self.bucket(most)
 
+    def fits(self, num_new_tokens: list[int]) -> bool:
+        """Whether a step of sequences computing these many tokens each runs as a graph: every one query_len."""
+        return self.bucket(len(num_new_tokens)) is not None and all(n == self.query_len for n in num_new_tokens)
+
     def padding(self, n: int) -> ForwardBatch:
         """A step of padding alone, n sequences (start-up compiles, and a data-parallel rank with nothing to run)."""
-        return self.build([[0]] * n, [0] * n, [dict.fromkeys(self.groups, [])] * n)
+        return self.build([[0] * self.query_len] * n, [0] * n, [dict.fromkeys(self.groups, [])] * n)
 
     def build(self, new_tokens: list[list[int]], num_computed: list[int],
               block_tables: list[dict[str, list[int]]], bucket: int | None = None) -> ForwardBatch:
-        """The step's one-token sequences padded to `bucket` (default: the smallest that holds them)."""
+        """The step's sequences (query_len tokens each) padded to `bucket` (default: the smallest that holds them)."""
         return ForwardBatch.build(new_tokens, num_computed, block_tables, self.block_size, self.device,
                                   pad_to=bucket or self.bucket(len(new_tokens)), table_width=self.table_width,
                                   max_seqlen_k=self.max_seqlen_k)
@@ -113,13 +124,17 @@ class GraphRunner:
         the smaller ones in its memory pool, as vLLM does), after that step warmed it up."""
         start = time.perf_counter()
         cuda = self.device.type == "cuda"
-        with torch._dynamo.config.patch(recompile_limit=len(self.sizes) + 1):
+        # one compiled graph per bucket, for every engine of the process: dynamo counts them all against the code
+        # of decode_step's lambda (the default limit, 8, would turn a second graph engine's buckets eager)
+        limit = RECOMPILE_LIMIT + len(self.sizes)
+        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
             for n in tqdm(sorted(self.sizes, reverse=cuda), desc="compile decode graphs", unit="bucket",
                           disable=not show_progress):
                 self._inputs[n] = self.padding(n)
                 self._compiled(self._inputs[n])
                 if cuda:
                     self._capture_cuda(n)
+        self._captured_caches = self._cache_pointers()
         self.capture_seconds = time.perf_counter() - start
 
     def _capture_cuda(self, n: int) -> None:
@@ -131,9 +146,15 @@ class GraphRunner:
         self._pool = graph.pool()
         self._graphs[n] = graph
 
+    def _cache_pointers(self) -> list[int]:
+        return [t.data_ptr() for ts in self._model.cache_tensors().values() for t in ts]
+
     def run(self, batch: ForwardBatch):
-        """(logits [bucket, V], streams [bucket, n, D] or None) of a batch from `build`. On CUDA the graph's own
+        """(logits [bucket * query_len, V], streams [bucket * query_len, n, D] or None) of a batch from `build`. On CUDA the graph's own
         output buffers, which the next replay overwrites: read them before the next step."""
+        if self._cache_pointers() != self._captured_caches:  # a CUDA graph would write freed memory; the CPU one recompile
+            raise RuntimeError("the model's KV caches were reallocated after its decode graphs were built (another "
+                               "engine on the same model?): build a new engine")
         n = batch.num_seqs
         self.replays[n] += 1
         inputs = self._inputs[n].copy_(batch)

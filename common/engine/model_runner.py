@@ -51,8 +51,7 @@ class ModelRunner:
     """The model must provide: cache_specs(block_size) -> [CacheGroupSpec], cache_bytes_per_block(block_size),
     allocate_caches(num_blocks: {group: n}, block_size), forward(ForwardBatch) -> hidden [T, D] and
     compute_logits(hidden [N, D], uniform=False) -> [N, V] (uniform: every rank scores N rows, a graph-mode
-    step); for PD disaggregation also cache_tensors() -> {group: [tensors
-    [num_blocks, ...]]}."""
+    step); for PD disaggregation and graph mode also cache_tensors() -> {group: [tensors [num_blocks, ...]]}."""
 
     def __init__(self, model, config: EngineConfig, num_blocks: dict[str, int], keep_streams: bool = False):
         self.model, self.config, self.keep_streams = model, config, keep_streams
@@ -84,8 +83,8 @@ class ModelRunner:
         new_tokens = [s.request.all_token_ids[s.start : s.end - len(s.draft_token_ids)] + s.draft_token_ids
                       for s in scheduled]
         if self.graphs is not None:
-            fits = self.graphs.bucket(len(scheduled)) is not None and all(
-                s.num_new_tokens == 1 and not s.prompt_logprob_positions for s in scheduled)
+            fits = self.graphs.fits([s.num_new_tokens for s in scheduled]) and not any(
+                s.prompt_logprob_positions for s in scheduled)
             if (bucket := self.graphs.step_bucket(len(scheduled), fits)) is not None:
                 return self._execute_graph(scheduled, new_tokens, block_tables, bucket)
         batch = ForwardBatch.build(new_tokens, [s.start for s in scheduled], block_tables, self.config.block_size,
@@ -112,12 +111,13 @@ class ModelRunner:
 
     def _execute_graph(self, scheduled: list[ScheduledRequest], new_tokens: list[list[int]],
                        block_tables: list[dict[str, list[int]]], bucket: int) -> ModelRunnerOutput:
-        """A step of one-token sequences through its bucket's graph: the same output as `execute`'s."""
+        """A step of query_len-token sequences through its bucket's graph: the same output as `execute`'s."""
         batch = self.graphs.build(new_tokens, [s.start for s in scheduled], block_tables, bucket)
-        logits, streams = self.graphs.run(batch)  # [bucket, V], [bucket, n, D] or None
-        rows = torch.tensor([b for b, s in enumerate(scheduled) if s.sample], dtype=torch.long, device=logits.device)
-        logits = logits[rows]
+        logits, streams = self.graphs.run(batch)  # [bucket * Q, V], [bucket * Q, n, D] or None
+        Q, n = self.graphs.query_len, len(scheduled)
+        rows = [r for b, s in enumerate(scheduled) if s.sample
+                for r in range((b + 1) * Q - 1 - len(s.draft_token_ids), (b + 1) * Q)]  # last row, drafts' before
+        logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         backend.synchronize()
-        n = len(scheduled)
-        return ModelRunnerOutput(logits.float(), [None] * n, None if streams is None else streams[:n].clone(),
-                                 list(range(n)))  # clone: a CUDA graph's output buffer is overwritten next step
+        return ModelRunnerOutput(logits.float(), [None] * n, None if streams is None else streams[: n * Q].clone(),
+                                 [b * Q for b in range(n)])  # clone: a CUDA graph's outputs are overwritten next step

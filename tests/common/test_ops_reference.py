@@ -188,6 +188,21 @@ def test_paged_attention_decode_batch_equals_attention(kw, shared_kv):
     close(got[1], want[1])
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(sliding_window=3), dict(sinks=torch.randn(4))])
+def test_paged_attention_uniform_queries_equal_attention(kw):
+    """Every sequence the same 3 new tokens (a decode step verifying 2 MTP drafts) with the host bounds given: the
+    static per-query path (each query its own kv end), padded to max_seqlen_k keys, equals dense causal attention."""
+    kv_lens = [7, 3, 12]
+    k, v, k_cache, v_cache, table = paged_setup(kv_lens)
+    q = torch.randn(9, 4, 8)
+    three = cu([3] * 3)
+    got = ref.paged_attention(q, k_cache, v_cache, table, torch.tensor(kv_lens, dtype=torch.int32), three, 0.3,
+                              return_lse=True, max_seqlen_q=3, max_seqlen_k=16, **kw)
+    want = ref.attention(q, k, v, three, cu(kv_lens), 0.3, return_lse=True, **kw)
+    close(got[0], want[0])
+    close(got[1], want[1])
+
+
 @pytest.mark.parametrize("with_v", [True, False])
 def test_reshape_and_cache(with_v):
     """Every slot is written; padding rows share row 0 (the null block's), one of them wins there."""
@@ -300,6 +315,16 @@ def test_lightning_indexer_decode_batches_and_empty_sequences(q_lens, kv_lens):
     q, k, w = torch.randn(T, 3, 8), torch.randn(sum(kv_lens), 8), torch.rand(T, 3)
     visible = torch.tensor([min(kv_lens[b], 1 + t) for b, n in enumerate(q_lens) for t in range(n)])
     got = ref.lightning_indexer(q, k, w, cu(q_lens), cu(kv_lens), visible, topk=4)
+    assert torch.equal(got, naive_indexer(q, k, w, q_lens, kv_lens, visible, topk=4))
+
+
+def test_lightning_indexer_uniform_queries_with_host_bounds():
+    """Every sequence 3 queries (a decode step verifying 2 drafts), bounds given: the static per-query path, keys
+    padded to max_seqlen_k, picks what the naive per-sequence top-k picks."""
+    q_lens, kv_lens = [3, 3], [5, 9]
+    q, k, w = torch.randn(6, 3, 8), torch.randn(14, 8), torch.rand(6, 3)
+    visible = torch.tensor([3, 4, 5, 7, 8, 9])
+    got = ref.lightning_indexer(q, k, w, cu(q_lens), cu(kv_lens), visible, topk=4, max_seqlen_q=3, max_seqlen_k=12)
     assert torch.equal(got, naive_indexer(q, k, w, q_lens, kv_lens, visible, topk=4))
 
 

@@ -10,6 +10,17 @@ import torch
 import torch.nn.functional as F
 
 
+MAX_DECODE_QUERIES = 8  # a decode step's queries per sequence: the new token and up to 7 MTP drafts verified
+
+
+def uniform_queries(num_tokens: int, num_seqs: int, max_seqlen_q: int | None) -> int:
+    """Q when each of the sequences has the same few new tokens (T = B * Q, Q <= MAX_DECODE_QUERIES: a decode
+    step, one token and its drafts), else 0; host ints only, so a static-shape step takes the same path always."""
+    if max_seqlen_q is None or not num_seqs or max_seqlen_q > MAX_DECODE_QUERIES:
+        return 0
+    return max_seqlen_q if num_tokens == num_seqs * max_seqlen_q else 0
+
+
 def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the last dim of `scores` where `visible`; returns (probs, lse). Empty rows: probs 0, lse -inf."""
     scores = scores.masked_fill(~visible, float("-inf"))
@@ -160,15 +171,22 @@ def paged_attention(
     k_cache [num_blocks, block_size, Hkv, D], v_cache [num_blocks, block_size, Hkv, Dv] (None: V = K),
     block_tables [B, max_blocks] int32, seq_lens [B] int32 = kv length of each sequence, new tokens included.
     max_seqlen_q / max_seqlen_k: host bounds of the new tokens / kv length per sequence (ForwardBatch's); given,
-    a decode batch (max_seqlen_q 1) reads no tensor on the host and pads its keys to a width they fix (the
-    window, or max_seqlen_k): the static-shape decode step of graph mode.
+    a decode batch (every sequence the same Q <= MAX_DECODE_QUERIES new tokens: 1, or 1 + its MTP drafts) reads
+    no tensor on the host and pads its keys to a width they fix (the window, or max_seqlen_k): the static-shape
+    decode step of graph mode. Each of its queries reads the pages up to its own position (the step's tokens are
+    in the cache already: a draft sees the ones before it, not the ones after).
     """
-    if q.shape[0] == 0:  # no tokens: an idle data-parallel rank's step
+    T, B = q.shape[0], seq_lens.shape[0]
+    if T == 0:  # no tokens: an idle data-parallel rank's step
         out = q.new_empty(0, q.shape[1], (k_cache if v_cache is None else v_cache).shape[-1])
         return (out, q.new_empty(0, q.shape[1], dtype=torch.float32)) if return_lse else out
-    decode = q.shape[0] == seq_lens.shape[0] and (
-        max_seqlen_q == 1 if max_seqlen_q is not None else bool((cu_seqlens_q[1:] - cu_seqlens_q[:-1] == 1).all()))
-    if decode:
+    Q = uniform_queries(T, B, max_seqlen_q) if max_seqlen_q is not None else int(
+        T == B and bool((cu_seqlens_q[1:] - cu_seqlens_q[:-1] == 1).all()))
+    if Q:
+        if Q > 1:  # query i of its sequence's Q sits at kv length - (Q - 1 - i): one row per query
+            behind = Q - 1 - torch.arange(T, device=q.device) % Q  # [T]
+            seq_lens = seq_lens.repeat_interleave(Q) - behind  # [T] keys each query sees
+            block_tables = block_tables.repeat_interleave(Q, 0)  # [T, max_blocks]
         width = None
         if max_seqlen_k is not None:
             width = max_seqlen_k if sliding_window is None else min(max_seqlen_k, sliding_window)

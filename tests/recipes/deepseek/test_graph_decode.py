@@ -178,3 +178,15 @@ def test_the_compile_cache_is_reused_on_this_cpu_kind_and_not_across_kinds(tmp_p
     assert hits_misses() == (1, 0)  # the second start: from the disk cache
     if torch.backends.cpu.get_cpu_capability() != "AVX2":
         assert hits_misses(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2") == (0, 1)
+
+
+def test_a_graph_engine_refuses_to_run_over_caches_another_engine_reallocated(setup):
+    """A second engine on the graph engine's model allocates its own caches over the ones the graphs were built
+    on: the graph engine's next decode step fails its request with the reason (the engine goes on) instead of
+    running over caches it no longer owns. (Last in the module: it leaves the graph engine's caches replaced.)"""
+    _, graph, prompts, path = setup
+    LLM(graph.engine.model, AutoTokenizer.from_pretrained(path), **ENGINE)
+    out = graph.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert out.finish_reason == "error" and "reallocated" in out.error
+    assert graph.engine.kv_cache.all_blocks_free()
