@@ -93,9 +93,10 @@ def rank_generate(path, world, layout, engine_kwargs, num_prompts, sampled, out_
     # MTP MoE dispatches over EP), the one with fewer requests (3 prompts over 2 ranks) on empty batches at the end
     (2, {"attn_tp": 2}, {"num_speculative_tokens": 2}, 4, True),
     (2, {"lmhead_tp": 2}, {"num_speculative_tokens": 3, "max_num_batched_tokens": 8}, 3, False),
-    # graph-mode decode over ranks: DP ranks agree on a bucket each step (2: the rank of 2 requests; 1: the rank
-    # of 1, and padding alone once it is done), experts dispatched in fixed-capacity buffers, vocabulary split
-    (2, {"embed_tp": 2, "lmhead_tp": 2}, {"exe_mode": "graph", "graph_capture_sizes": (1, 2),
+    # graph-mode decode over ranks: DP ranks agree on the bucket each step (2: the rank of 2 requests, and the rank
+    # of 1 padded to it, then padding alone once it is done), experts dispatched in fixed-capacity buffers,
+    # vocabulary split
+    (2, {"embed_tp": 2, "lmhead_tp": 2}, {"exe_mode": "graph", "graph_capture_sizes": (2,),
                                           "max_num_batched_tokens": 8}, 3, False),
     # TP2 (EP2): a greedy and a sampled request (drawn alike by the TP peers) one after the other in bucket 1, the
     # token of a step routed by one TP rank (the expert dispatch's capacity is still the same on both)

@@ -95,16 +95,17 @@ def test_accepted_and_rejected_drafts_commit_exactly_the_plain_tokens(setup, k, 
 def test_graph_mode_verifies_the_drafts_in_its_graphs(setup):
     """exe_mode graph with k = 2: a verify step (every sequence its token and 2 drafts) runs as a graph of 3-token
     sequences padded to its bucket; greedy tokens and log-probs equal plain decoding, with rejected drafts (the
-    random MTP layer, 4 requests: bucket 4) and accepted ones (the oracle's, 1 request: bucket 1)."""
+    random MTP layer, 4 requests) and accepted ones (the oracle's, 1 request padded to the bucket of 4)."""
     model, tok, prompts, plain = setup
-    llm = LLM(model, tok, block_size=16, num_speculative_tokens=2, exe_mode="graph", graph_capture_sizes=(1, 4))
+    llm = LLM(model, tok, block_size=16, num_speculative_tokens=2, exe_mode="graph", graph_capture_sizes=(4,))
     graphs = llm.engine.runner.graphs
     assert graphs.query_len == 3
     check_equal(llm.generate(prompts, GREEDY, use_tqdm=False), plain)
     reference = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
     llm.engine.proposer = Oracle(llm.engine.proposer, reference, model.args.vocab_size)
+    before = graphs.replays[4]
     check_equal(llm.generate(prompts[:1], GREEDY, use_tqdm=False), plain[:1])
-    assert graphs.replays[1] > 0 and graphs.replays[4] > 0
+    assert 0 < before < graphs.replays[4]
     assert llm.engine.stats.num_accepted_tokens > 0 and llm.engine.kv_cache.all_blocks_free()
 
 
