@@ -56,9 +56,10 @@ def inductor_options() -> dict:
 
 
 def decode_step(model, batch: ForwardBatch, keep_streams: bool):
-    """What a bucket runs: the logits of every row [B, V] and, for the MTP drafts, the residual streams [B, n, D]."""
+    """What a bucket runs: the logits of every row [T, V] (T = bucket * query_len) and, for the MTP drafts, the
+    residual streams [T, n, D]."""
     if keep_streams:
-        streams = model.residual_streams(batch)  # [B, n, D]
+        streams = model.residual_streams(batch)  # [T, n, D]
         return model.compute_logits(model.final_hidden(streams), uniform=True), streams
     return model.compute_logits(model(batch), uniform=True), None
 
@@ -150,9 +151,10 @@ class GraphRunner:
         return [t.data_ptr() for ts in self._model.cache_tensors().values() for t in ts]
 
     def run(self, batch: ForwardBatch):
-        """(logits [bucket * query_len, V], streams [bucket * query_len, n, D] or None) of a batch from `build`. On CUDA the graph's own
-        output buffers, which the next replay overwrites: read them before the next step."""
-        if self._cache_pointers() != self._captured_caches:  # a CUDA graph would write freed memory; the CPU one recompile
+        """(logits [bucket * query_len, V], streams [bucket * query_len, n, D] or None) of a batch from `build`.
+        On CUDA the graph's own output buffers, which the next replay overwrites: read them before the next step.
+        Caches reallocated since the capture (a CUDA graph would write memory it no longer owns): RuntimeError."""
+        if self._cache_pointers() != self._captured_caches:
             raise RuntimeError("the model's KV caches were reallocated after its decode graphs were built (another "
                                "engine on the same model?): build a new engine")
         n = batch.num_seqs
