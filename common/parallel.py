@@ -34,12 +34,12 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 # Instrumentation only: recipes' parallel benches read and reset it; nothing decides on it. Eager steps only (a
 # compiled graph-mode step does not count).
 TRAFFIC: collections.Counter = collections.Counter()
+DEFAULT_TIMEOUT_S = 300.0
 
 
 def _count(collective: str, nbytes: int) -> None:
     if not torch.compiler.is_compiling():
         TRAFFIC[collective] += nbytes
-DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclass(slots=True, frozen=True)

@@ -82,13 +82,15 @@ class ForwardBatch:
         """Fill this batch's tensors in place from another built for the same bucket (graph replay reads fixed
         buffers); its host fields and every shape must be this one's. Returns self."""
         host = ("block_size", "max_seqlen_q", "max_seqlen_k", "uniform_across_ranks")
-        pairs = [(getattr(self, f), getattr(other, f)) for f in ("input_ids", "positions", "seq_ids", "cu_seqlens_q",
-                                                                 "seq_lens")]
-        if self.block_tables.keys() == other.block_tables.keys():
-            pairs += [(t[g], o[g]) for t, o in ((self.block_tables, other.block_tables),
-                                                (self.slot_mapping, other.slot_mapping)) for g in t]
-        if (any(getattr(self, f) != getattr(other, f) for f in host) or self.block_tables.keys() !=
-                other.block_tables.keys() or any(a.shape != b.shape for a, b in pairs)):
+        pairs = [(getattr(self, f), getattr(other, f)) for f in ("input_ids", "positions", "seq_ids",
+                                                                 "cu_seqlens_q", "seq_lens")]
+        same = all(getattr(self, f) == getattr(other, f) for f in host)
+        if same and self.block_tables.keys() == other.block_tables.keys():
+            for g in self.block_tables:
+                pairs += [(self.block_tables[g], other.block_tables[g]), (self.slot_mapping[g], other.slot_mapping[g])]
+        else:
+            same = False
+        if not same or any(mine.shape != theirs.shape for mine, theirs in pairs):
             raise ValueError("copy_: the batches differ in a host field, a cache group or a shape (another bucket?)")
         for mine, theirs in pairs:
             mine.copy_(theirs)

@@ -127,8 +127,7 @@ class GraphRunner:
         cuda = self.device.type == "cuda"
         # one compiled graph per bucket, for every engine of the process: dynamo counts them all against the code
         # of decode_step's lambda (the default limit, 8, would turn a second graph engine's buckets eager)
-        limit = RECOMPILE_LIMIT + len(self.sizes)
-        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
             for n in tqdm(sorted(self.sizes, reverse=cuda), desc="compile decode graphs", unit="bucket",
                           disable=not show_progress):
                 self._inputs[n] = self.padding(n)

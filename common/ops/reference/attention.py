@@ -208,9 +208,9 @@ def paged_attention(
 
 def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int | None,
                   width: int | None = None):
-    """One new token per sequence (B = T): its visible keys gathered straight from the pages into one batch padded
-    to `width` keys (None: the widest sequence's, read on the host), one GEMM per KV head group.
-    -> fp32 out [B, Hq, Dv], lse [B, Hq]."""
+    """One query per row (B = T: a decode token, or a draft with its own block-table row and kv end): its visible
+    keys gathered straight from the pages into one batch padded to `width` keys (None: the widest row's, read on
+    the host), one GEMM per KV head group. -> fp32 out [B, Hq, Dv], lse [B, Hq]."""
     B, Hq, _ = q.shape
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     ends = seq_lens.long()  # [B] the new token sits at position end - 1 and sees keys [start, end)
