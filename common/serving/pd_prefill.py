@@ -38,7 +38,7 @@ from common.kv_transfer import CacheLayout, KVTransport
 
 from .async_engine import AsyncLLMEngine, EngineOverloaded
 from .pd_protocol import PDConnector, logprobs_to_json
-from .responses import error_response, run_unless_disconnected
+from .http_utils import error_response, run_unless_disconnected
 
 logger = logging.getLogger("npu_cookbook.pd")
 WRITES_PER_BATCH = 256  # ranges per transport.write: an abort stops the room between batches

@@ -119,6 +119,10 @@ class _Sampling(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
     def _params(self, max_tokens: int, logprobs: int | None, seed: int | None,
                 prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,

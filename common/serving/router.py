@@ -36,7 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .pd_protocol import PREFILL_HEADER
-from .responses import run_unless_disconnected
+from .http_utils import run_unless_disconnected
 
 try:
     import httpx2 as httpx  # what openai 3.x installs

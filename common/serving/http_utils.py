@@ -1,10 +1,20 @@
-"""What every HTTP handler of the server needs: OpenAI error bodies, and work that stops when its client leaves."""
+"""What every HTTP handler of the server needs: OpenAI errors and their bodies, and work that stops when its client
+leaves."""
 from __future__ import annotations
 
 import asyncio
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    """An OpenAI error the app's handler answers with: status, message, type, the request field at fault."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
 
 
 def error_response(status: int, message: str, type: str, param: str | None = None, headers=None) -> JSONResponse:
