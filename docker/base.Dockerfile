@@ -16,7 +16,7 @@ WORKDIR /opt/npu-cookbook
 # libibverbs1: what the Mooncake transfer engine (PD disaggregation's KV transfer) links against
 RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 && rm -rf /var/lib/apt/lists/*
 COPY docker/versions.env docker/versions.env
-COPY requirements.txt requirements-npu.txt ./
+COPY requirements.txt requirements-npu.txt requirements-nodeps.txt ./
 
 # torch from the CPU wheel index (the NPU backend comes from torch_npu; this keeps CUDA wheels out),
 # then torch_npu from PyPI together with requirements.txt minus its `torch==` line, torch held at
@@ -27,6 +27,7 @@ RUN . docker/versions.env \
     && grep -v -E '^torch==' requirements.txt > /tmp/requirements-without-torch.txt \
     && python3 -m pip install --no-cache-dir "torch==${NPU_TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}" \
         -r /tmp/requirements-without-torch.txt \
+    && python3 -m pip install --no-cache-dir --no-deps -r requirements-nodeps.txt \
     && rm /tmp/requirements-without-torch.txt
 
 # The CANN environment is loaded by the entrypoint (it sources

@@ -20,10 +20,11 @@ WORKDIR /opt/npu-cookbook
 # libibverbs1: what the Mooncake transfer engine (PD disaggregation's KV transfer) links against
 RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 && rm -rf /var/lib/apt/lists/*
 COPY docker/versions.env docker/versions.env
-COPY requirements.txt ./
+COPY requirements.txt requirements-nodeps.txt ./
 RUN . docker/versions.env \
     && python3 -m pip install --no-cache-dir --index-url "${TORCH_CPU_INDEX_URL}" "torch==${CPU_TORCH_VERSION}" \
-    && python3 -m pip install --no-cache-dir -r requirements.txt
+    && python3 -m pip install --no-cache-dir -r requirements.txt \
+    && python3 -m pip install --no-cache-dir --no-deps -r requirements-nodeps.txt
 
 COPY --chown=cookbook:cookbook . .
 RUN python3 -m pip install --no-cache-dir --no-deps -e .

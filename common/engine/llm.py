@@ -52,9 +52,6 @@ class LLM:
             done.update(part)
         return [done[i] for i in range(len(requests))]
 
-    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-
 
 class LeastLoaded:
     """The DP coordinator's rule: each new request goes to the rank with the least outstanding cost (prompt +

@@ -14,6 +14,11 @@ engine's thread: `start_load(request, block_table)` when a do_remote_prefill req
 `cancel_load(request_id)` when one is aborted while its KV is on the way (its blocks are freed only once the
 prefill side no longer writes them: the connector then calls `fail_remote_prefill`), and `start_send(request,
 block_table)` when a do_remote_decode request finished (prefill side; `release_sent` frees its blocks after).
+
+Structured output (common/engine/structured_output.py): a request whose SamplingParams has `structured_outputs` is
+compiled in make_request (ValueError before it is queued), gets its grammar state at `add`, has its rows masked
+before sampling and draft verification, and advances its grammar by every committed token (those a PD prefill
+instance sampled included). A committed token the grammar refuses fails that request ("error"), not the engine.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from .sampler import Sampler, TokenLogprobs, make_generator, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode import MTPProposer
+from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 RECENT_STEPS = 1024  # EngineStats.recent_step_tokens keeps this many
@@ -113,6 +119,10 @@ class LLMEngine:
             generator = make_generator(par.broadcast_int(random.SystemRandom().getrandbits(62), tp_group))
         self.sampler = Sampler(generator)
         self.eos_token_ids = set(model.args.eos_token_ids)
+        self.structured_output = None  # the grammar compiler and masks; None without a tokenizer
+        if tokenizer is not None:
+            self.structured_output = StructuredOutputManager(tokenizer, model.args.vocab_size,
+                                                             model.args.eos_token_ids)
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -137,20 +147,29 @@ class LLMEngine:
                              f"{self.config.max_model_len - 1} (max_model_len {self.config.max_model_len})")
         if not all(isinstance(t, int) and 0 <= t < self.model.args.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be ints in [0, {self.model.args.vocab_size})")
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs needs the engine's tokenizer")
+            self.structured_output.compile(params.structured_outputs)  # ValueError for what it refuses
         request_id = request_id if request_id is not None else str(next(self._ids))
         return Request(request_id, ids, params, prompt if isinstance(prompt, str) else None)
 
     def add(self, req: Request) -> None:
         """Queue a request made by make_request. ValueError for an id in use."""
+        p = req.sampling_params
+        grammar = (self.structured_output.start(p.structured_outputs, req.prompt_token_ids)
+                   if p.structured_outputs is not None else None)  # compiled in make_request: a cache hit
         self.scheduler.add(req)
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=req.prompt_token_ids)
+        req.grammar = grammar
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, req.prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         req = self.scheduler.requests.get(request_id)
         if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.kv_connector.cancel_load(request_id)  # its blocks may still be written: the connector frees them
             return
-        self.scheduler.abort(request_id)
+        if self.scheduler.abort(request_id) is not None:
+            req.grammar = None
 
     def finish_remote_prefill(self, request_id: str, token_ids: list[int], logprobs: list | None = None,
                               prompt_logprobs: list | None = None, num_cached_tokens: int = 0) -> RequestOutput | None:
@@ -172,6 +191,7 @@ class LLMEngine:
                 break
         if reason:
             self.scheduler.finish(req, reason)
+            req.grammar = None
         else:
             self.sampler.skip(req.sampling_params, req.generator, self.model.args.vocab_size)  # as if sampled here
         return self._output(req)
@@ -184,6 +204,7 @@ class LLMEngine:
             return None
         req.error = error
         self.scheduler.finish(req, "abort" if error is None else "error")
+        req.grammar = None
         return self._output(req)
 
     def release_sent(self, request_id: str) -> None:
@@ -261,13 +282,18 @@ class LLMEngine:
         """Per sampling request, the tokens its rows commit and their logprobs (or None each); sets num_accepted.
         Greedy requests and requests without drafts: the sampler over all their rows, drafts accepted while they
         equal the row's token, then that row's token. Sampled requests with drafts: Sampler.verify (the
-        speculative-sampling rule)."""
+        speculative-sampling rule). Rows of structured-output requests are masked first (logits in place: log-probs
+        then describe the masked distribution, as vLLM's)."""
         spans, plain, row = [], [], 0
         for s in sampling:
             spans.append(range(row, row + len(s.draft_token_ids) + 1))
             row = spans[-1].stop
             if s.request.sampling_params.greedy or not s.draft_token_ids:
                 plain += spans[-1]
+        constrained = [(s.request.grammar, span.start, s.draft_token_ids) for s, span in zip(sampling, spans)
+                       if s.request.grammar is not None]
+        if constrained:
+            self.structured_output.apply(logits, constrained)  # before sampling and verification
         reqs = {r: s.request for s, span in zip(sampling, spans) for r in span}
         sampled = self.sampler(logits[plain], [reqs[r].sampling_params for r in plain],
                                [reqs[r].generator for r in plain]) if plain else None
@@ -313,6 +339,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
+        req.grammar = None
         if req.request_id in self.scheduler.sending:  # PD prefill side: its blocks go to the decode instance
             self.kv_connector.start_send(req, self.kv_cache.block_table(req.request_id))
 
@@ -329,6 +356,7 @@ class LLMEngine:
         for s in plan.scheduled:
             s.request.error = message
             self.scheduler.finish(s.request, "error")
+            s.request.grammar = None
             outputs.append(self._output(s.request))
         return outputs
 
@@ -345,11 +373,18 @@ class LLMEngine:
 
     def _stop_reason(self, req: Request) -> str | None:
         """After appending a token: "stop" / "length" if the request ends with it, else None; the text follows
-        the token (cut before a stop string)."""
+        the token (cut before a stop string) and so does its grammar ("error", with req.error, when the grammar
+        refuses it; "stop" once the grammar has terminated)."""
         p, tok = req.sampling_params, req.output_token_ids[-1]
         reason = None
+        if req.grammar is not None and not StructuredOutputManager.accept(req.grammar, tok):
+            req.error = (f"token {tok} does not continue the request's structured_outputs grammar (after "
+                         f"{len(req.output_token_ids) - 1} output tokens)")
+            return "error"
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = "stop"
+        elif req.grammar is not None and StructuredOutputManager.is_terminated(req.grammar):
+            reason = "stop"  # the grammar ended with a stop token (under ignore_eos: nothing else may follow)
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             reason = "length"
         delta = req.detokenizer.update([tok])

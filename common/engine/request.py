@@ -36,6 +36,7 @@ class Request:
     generator: torch.Generator | None = None
     detokenizer: object | None = field(default=None, repr=False)  # the engine's IncrementalDetokenizer
     spec_token_ids: list[int] = field(default_factory=list)  # MTP drafts of the tokens after the last one
+    grammar: object | None = field(default=None, repr=False)  # structured output: the engine's GrammarState
     # PD disaggregation: what the KV connector needs (where from / to, which blocks), with vLLM's flags (below)
     kv_transfer_params: dict | None = field(default=None, repr=False)
 

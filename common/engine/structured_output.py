@@ -1,0 +1,210 @@
+"""Grammar-constrained sampling (structured output) with xgrammar.
+
+The engine owns one StructuredOutputManager: the tokenizer's xgrammar TokenizerInfo (built once, over the model's
+lm-head rows) and a GrammarCompiler whose cache compiles each distinct grammar once (xgrammar keys it by the
+grammar's text and options: a JSON schema or structural tag given as a dict is keyed by its `json.dumps`, key order
+kept, since property order is output order). `compile` checks a request's StructuredOutputsParams before it is
+queued (ValueError naming the bad schema / regex / grammar or the unsupported feature: the server's 400).
+
+Each constrained request gets a GrammarState at `start` (its own matcher; n > 1 samples are separate requests) that
+follows the request's committed tokens (`accept`), so a request preempted by recompute keeps its state, and is
+dropped when the request finishes (`release`). A step's masks: `apply` fills one int32 bitmask for every constrained
+row of the step (xgrammar's layout: bit 1 = allowed) and applies it over the logits in one call, before sampling or
+draft verification. A request with MTP drafts d_1..d_k has k + 1 rows; row i's mask is the grammar's state after
+d_1..d_i: the matcher walks the drafts, filling a mask per row, then rolls back (vLLM's pattern). From the first
+draft the matcher refuses on, the rows are left unmasked: that draft's own row forbids it, so verification rejects
+it (greedy: the row's masked argmax differs; sampled: its masked probability is 0) and no later row is committed.
+Once the grammar is complete only the stop tokens (the model's EOS) are allowed; a matcher that accepted one has
+terminated and the request stops ("stop"), also under ignore_eos.
+
+With `reasoning_end_token_id`, rows up to the one that samples that token are free; the next row is the first
+constrained one, also when the token is a draft inside the verify window.
+
+Masks are a function of the committed tokens alone, so attention-TP peers, which hold the same requests, mask alike.
+Log-probs of a constrained row are those of its masked logits (vLLM's too).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from .sampling_params import StructuredOutputsParams
+
+MAX_THREADS = min(8, max(1, (os.cpu_count() or 2) // 2))  # xgrammar's compile and batch-fill threads
+CACHE_LIMIT_BYTES = 512 << 20  # compiled grammars kept (vLLM's default VLLM_XGRAMMAR_CACHE_MB)
+# string formats xgrammar 0.2.9 enforces; others (idn-email, iri, regex, unknown ones) it would silently ignore
+JSON_FORMATS = {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
+                "uuid", "uri-template", "json-pointer", "relative-json-pointer"}
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+NOT_SCHEMAS = ("enum", "const", "default", "examples", "required", "dependentRequired", "description", "title")
+_XGR_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+@dataclass(eq=False)
+class GrammarState:
+    """One request's grammar: its matcher, and whether the reasoning before the constraint is over."""
+    matcher: xgr.GrammarMatcher
+    reasoning_end_token_id: int | None
+    reasoning_ended: bool
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = MAX_THREADS,
+                 cache_limit_bytes: int = CACHE_LIMIT_BYTES):
+        """tokenizer: a transformers tokenizer; vocab_size: the model's lm-head rows (>= the tokenizer's ids);
+        stop_token_ids: what a complete grammar allows next (the model's EOS ids)."""
+        self.vocab_size = vocab_size
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                                 stop_token_ids=list(stop_token_ids))
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True,
+                                            cache_limit_bytes=cache_limit_bytes)
+        self.batch_matcher = xgr.BatchGrammarMatcher(max_threads)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [rows, ceil(V / 32)] int32, grown as needed
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar (cached); ValueError naming what is wrong or unsupported."""
+        kind = params.kind
+        end = params.reasoning_end_token_id
+        if end is not None and end >= self.vocab_size:
+            raise ValueError(f"structured_outputs.reasoning_end_token_id {end} is not a token id "
+                             f"(vocabulary {self.vocab_size})")
+        value = getattr(params, kind)
+        if kind in ("json", "structural_tag"):
+            loaded = json.loads(value) if isinstance(value, str) else value
+            unsupported = (unsupported_json_schema_features(loaded) if kind == "json"
+                           else [f for s in _tag_schemas(loaded) for f in unsupported_json_schema_features(s)])
+            if unsupported:
+                raise ValueError(f"structured_outputs.{kind}: unsupported JSON schema feature(s): "
+                                 f"{'; '.join(unsupported)}")
+            value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        try:
+            if kind == "json":
+                return self.compiler.compile_json_schema(value, any_whitespace=not params.disable_any_whitespace)
+            if kind == "json_object":
+                return self.compiler.compile_json_schema('{"type": "object"}',
+                                                         any_whitespace=not params.disable_any_whitespace)
+            if kind == "regex":
+                return self.compiler.compile_regex(value)
+            if kind == "choice":
+                return self.compiler.compile_grammar(choice_grammar(value))
+            if kind == "grammar":
+                return self.compiler.compile_grammar(value)
+            return self.compiler.compile_structural_tag(value)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's C++ errors arrive as RuntimeError
+            raise ValueError(f"structured_outputs.{kind}: {_xgr_message(e)}") from None
+
+    def start(self, params: StructuredOutputsParams, prompt_token_ids: list[int]) -> GrammarState:
+        """A new request's grammar state (compile raises for params it refuses)."""
+        end = params.reasoning_end_token_id
+        return GrammarState(xgr.GrammarMatcher(self.compile(params)), end,
+                            end is None or prompt_token_ids[-1] == end)
+
+    def apply(self, logits: torch.Tensor, rows: list[tuple[GrammarState, int, list[int]]]) -> None:
+        """Mask logits [N, V] in place: per constrained request (its state, its first row, its drafts d_1..d_k)
+        rows first .. first + k get the grammar's masks (rows the grammar does not yet or no longer constrain: none).
+        The matchers end where they began."""
+        n = logits.shape[0]
+        if self.bitmask.shape[0] < n:
+            self.bitmask = xgr.allocate_token_bitmask(n, self.vocab_size)
+        starts = [_first_constrained(state, drafts) for state, _, drafts in rows]
+        walked = [0] * len(rows)  # drafts each matcher accepted (rolled back at the end)
+        alive = [s is not None for s in starts]
+        filled = []
+        for level in range(max((len(d) for _, _, d in rows), default=0) + 1):
+            stepping = [j for j, (state, _, drafts) in enumerate(rows)
+                        if alive[j] and starts[j] < level <= len(drafts)]
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token(
+                [rows[j][0].matcher for j in stepping], [rows[j][2][level - 1] for j in stepping]) if stepping else []
+            for j, ok in zip(stepping, accepted):
+                walked[j] += ok
+                alive[j] = ok
+            picked = [j for j, (state, _, drafts) in enumerate(rows)
+                      if alive[j] and starts[j] <= level <= len(drafts) and not state.matcher.is_terminated()]
+            if picked:
+                indices = [rows[j][1] + level for j in picked]
+                self.batch_matcher.batch_fill_next_token_bitmask([rows[j][0].matcher for j in picked], self.bitmask,
+                                                                 indices)
+                filled += indices
+        for (state, _, _), w in zip(rows, walked):
+            if w:
+                state.matcher.rollback(w)
+        if filled:
+            bitmask = self.bitmask[:n].to(logits.device, non_blocking=True)  # [N, ceil(V / 32)]
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=filled)
+
+    @staticmethod
+    def accept(state: GrammarState, token: int) -> bool:
+        """Advance a request's grammar by its committed token; False when the grammar forbids it (a masked row
+        never samples one: the caller fails the request)."""
+        if not state.reasoning_ended:
+            state.reasoning_ended = token == state.reasoning_end_token_id
+            return True
+        return state.matcher.accept_token(token)
+
+    @staticmethod
+    def is_terminated(state: GrammarState) -> bool:
+        """The grammar accepted a stop token: the request ends here."""
+        return state.reasoning_ended and state.matcher.is_terminated()
+
+
+def _first_constrained(state: GrammarState, drafts: list[int]) -> int | None:
+    """The first of a request's rows 0..k that the grammar constrains (None: none this step)."""
+    if state.reasoning_ended:
+        return None if state.matcher.is_terminated() else 0
+    return next((i + 1 for i, d in enumerate(drafts) if d == state.reasoning_end_token_id), None)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF for exactly one of the strings (EBNF string literals take JSON's escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def unsupported_json_schema_features(schema, path: str = "#") -> list[str]:
+    """The keywords of a JSON schema that xgrammar would accept but not enforce, each with where it is."""
+    if not isinstance(schema, dict):
+        return []
+    out = []
+    types = schema.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "not" in schema:
+        out.append(f"'not' at {path}")
+    if schema.get("uniqueItems") is True:
+        out.append(f"'uniqueItems' at {path}")
+    if "multipleOf" in schema and not (isinstance(schema["multipleOf"], int) and types == ["integer"]):
+        out.append(f"'multipleOf' on a non-integer at {path}")
+    if isinstance(schema.get("format"), str) and ("string" in types or types == [None]) \
+            and schema["format"] not in JSON_FORMATS:
+        out.append(f"string format {schema['format']!r} at {path}")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        out.append(f"'allOf' with several schemas at {path}")
+    for key, value in schema.items():
+        if key in NOT_SCHEMAS:
+            continue
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                out += unsupported_json_schema_features(sub, f"{path}/{key}/{name}")
+        elif isinstance(value, dict):
+            out += unsupported_json_schema_features(value, f"{path}/{key}")
+        elif isinstance(value, list):
+            for i, sub in enumerate(value):
+                out += unsupported_json_schema_features(sub, f"{path}/{key}/{i}")
+    return out
+
+
+def _tag_schemas(tag) -> list:
+    """The JSON schemas inside a structural tag."""
+    if isinstance(tag, list):
+        return [s for item in tag for s in _tag_schemas(item)]
+    if not isinstance(tag, dict):
+        return []
+    own = [tag["json_schema"]] if tag.get("type") == "json_schema" and "json_schema" in tag else []
+    return own + [s for k, v in tag.items() if k != "json_schema" for s in _tag_schemas(v)]
+
+
+def _xgr_message(e: Exception) -> str:
+    return _XGR_PREFIX.sub("", str(e)).strip()
