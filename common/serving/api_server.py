@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncLLMEngine
 from .chat import OpenAIServingChat
+from .chat_format import ChatFormat, TemplateChatFormat
 from .completions import OpenAIServingCompletion
 from .http_utils import APIError, error_response
 from .metrics import ServerMetrics
@@ -48,8 +49,9 @@ class EndQuietlyOnCancel:
 
 
 def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key: str | None = None,
-              drain_timeout: float = 0.0) -> FastAPI:
-    """PD roles: the engine's kv_connector decides (a DecodeConnector takes requests that name a prefill instance
+              drain_timeout: float = 0.0, chat_format: ChatFormat | None = None) -> FastAPI:
+    """chat_format: the model's (chat_format.py); None: the tokenizer's chat template (no tools).
+    PD roles: the engine's kv_connector decides (a DecodeConnector takes requests that name a prefill instance
     in the X-PD-Prefill header; a PrefillConnector adds the /pd routes)."""
     engine = async_engine.engine
     connector = engine.kv_connector
@@ -108,7 +110,8 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
 
     authorized = [Depends(check_api_key)]
     app.post("/v1/completions", dependencies=authorized)(OpenAIServingCompletion(serving).create)
-    app.post("/v1/chat/completions", dependencies=authorized)(OpenAIServingChat(serving).create)
+    chat_format = chat_format if chat_format is not None else TemplateChatFormat(tokenizer)
+    app.post("/v1/chat/completions", dependencies=authorized)(OpenAIServingChat(serving, chat_format).create)
 
     @app.get("/v1/models", dependencies=authorized)
     async def models():

@@ -1,5 +1,5 @@
-"""Per-choice output bookkeeping shared by the streaming and the whole-response paths: incremental text deltas
-(split into reasoning and content), logprobs in OpenAI's two shapes, and the merge of several engine streams."""
+"""Per-choice output bookkeeping shared by the streaming and the whole-response paths: incremental text deltas,
+logprobs in OpenAI's two shapes, and the merge of several engine streams."""
 from __future__ import annotations
 
 import asyncio
@@ -14,33 +14,22 @@ REPLACEMENT = "\ufffd"  # what a decode of an incomplete UTF-8 character ends wi
 class TextStream:
     """Text of one choice, handed out as deltas that never need taking back. The engine decodes incrementally
     (RequestOutput.text: complete characters only, cut at a stop string); while unfinished, the last
-    len(longest stop)-1 characters are held back (a stop string may be starting there).
-    With reasoning (the prompt opened a thinking span), the text before the `</think>` token is reasoning
-    content and the text after it is content."""
+    len(longest stop)-1 characters are held back (a stop string may be starting there). Splitting the text into
+    reasoning, content and tool calls is the chat format's parser's job (chat_format.py)."""
 
-    def __init__(self, tokenizer, stop: list[str], think_end_id: int | None = None):
-        self.tokenizer, self.think_end_id = tokenizer, think_end_id
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.sent_reasoning, self.sent_content = 0, 0
-        self.split: int | None = None  # where the reasoning ends in the text, once the `</think>` token came
+        self.sent = 0
         self.num_logprobs_sent = 0
         self.text_offset = 0  # characters of this choice's text that logprobs offsets already covered
 
-    def update(self, out: RequestOutput) -> tuple[str, str]:
-        """(reasoning delta, content delta) since the last update."""
+    def update(self, out: RequestOutput) -> str:
+        """The text delta since the last update."""
         text = out.text if out.finished else out.text[: max(0, len(out.text) - self.hold)]
-        if self.think_end_id is None:
-            split = 0
-        else:
-            if self.split is None and self.think_end_id in out.token_ids:  # decoded once, when the token comes
-                ids = out.token_ids
-                self.split = len(self.tokenizer.decode(ids[: ids.index(self.think_end_id)], skip_special_tokens=True))
-            split = len(text) if self.split is None else self.split
-        split = min(split, len(text))
-        reasoning, content = text[self.sent_reasoning: split], text[split + self.sent_content:]
-        self.sent_reasoning += len(reasoning)
-        self.sent_content += len(content)
-        return reasoning, content
+        delta = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return delta
 
     def new_logprobs(self, out: RequestOutput) -> list:
         new = (out.logprobs or [])[self.num_logprobs_sent:]

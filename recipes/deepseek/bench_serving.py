@@ -245,6 +245,7 @@ def offline_baseline(a, prompts) -> dict:
 
     from common import backend
     from common.engine import LLM, SamplingParams
+    from encoding_deepseek_v4 import encode_messages
     from weights_deepseek_v4 import load_model
 
     if a.threads:
@@ -256,7 +257,7 @@ def offline_baseline(a, prompts) -> dict:
     tok = AutoTokenizer.from_pretrained(a.weights)
     llm = LLM(load_model(a.weights, dtype, backend.device()), tok, **engine)
     if a.chat:
-        prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        prompts = [encode_messages([{"role": "user", "content": p}]) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=not a.prompts)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     t0 = time.perf_counter()

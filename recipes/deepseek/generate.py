@@ -15,6 +15,7 @@ from common import backend
 from common import parallel as par
 from common.engine import LLM, SamplingParams
 from cli_deepseek import HERE, ArgumentParser, add_model_args, check_model_args, fail, load
+from encoding_deepseek_v4 import encode_messages
 
 
 def parse_args(argv=None):
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     except ValueError as e:  # settings that can never run (checked when the engine is built)
         fail(e)
     prompts = [line.strip() for line in a.prompts.read_text().splitlines() if line.strip()]
-    texts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    texts = [encode_messages([{"role": "user", "content": p}]) for p in prompts]
     backend.reset_peak_memory()
     outputs = llm.generate(texts, a.sampling)
     engine = llm.engine

@@ -27,6 +27,7 @@ from common.kv_transfer import make_transport
 from common.serving.api_server import build_app
 from common.serving.pd_decode import DecodeConnector
 from common.serving.pd_prefill import PrefillConnector
+from chat_format_deepseek_v4 import DeepseekV4ChatFormat
 from cli_deepseek import TINY, ArgumentParser, add_model_args, check_model_args, fail, load
 
 
@@ -95,8 +96,8 @@ def main(argv=None) -> int:
         async_engine.run_worker()
         par.destroy_parallel()
         return 0
-    app = build_app(async_engine, tokenizer,
-                    a.served_model_name or Path(path).resolve().name, api_key=a.api_key)
+    app = build_app(async_engine, tokenizer, a.served_model_name or Path(path).resolve().name, api_key=a.api_key,
+                    chat_format=DeepseekV4ChatFormat())
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
                                            timeout_graceful_shutdown=a.drain_timeout))
     # uvicorn re-raises the signal it shut down on; a no-op handler then makes a clean exit 0

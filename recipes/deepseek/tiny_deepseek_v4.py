@@ -1,7 +1,7 @@
 """Write a tiny random DeepSeek-V4 checkpoint in the publisher's on-disk format (fixed seed).
 
 Same layout as the published DeepSeek-V4-Flash: HF config.json, publisher tensor names, FP8 block-quantized
-linears with `.scale`, MXFP4 routed experts, a tokenizer with the chat template. Every layer kind is present
+linears with `.scale`, MXFP4 routed experts, a tokenizer (no chat template, as published: encoding_deepseek_v4 writes the prompts). Every layer kind is present
 (sliding, CSA, HCA) with small compress rates, and both MoE kinds (hash, top-k).
 
     python recipes/deepseek/tiny_deepseek_v4.py weights/deepseek-v4-tiny
@@ -17,21 +17,31 @@ import torch
 
 from common.loader import quantize_fp8_block, quantize_mxfp4, save_checkpoint, write_tokenizer
 from config_deepseek_v4 import CSA, HCA, SLIDING, ModelArgs
+from encoding_deepseek_v4 import encode_messages
 from modeling_deepseek_v4 import DeepseekV4
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIAL_TOKENS = {"bos": BOS, "eos": EOS,  # ids 0, 1, ... in this order (config bos/eos ids)
                   "user": "<｜User｜>", "assistant": "<｜Assistant｜>",
                   "think": "<think>", "end_think": "</think>"}
-# DeepSeek-V4 chat format: chat mode closes the (empty) thinking span, `thinking=True` opens one.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] }}"
-    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<｜Assistant｜></think>{{ m['content'] }}<｜end▁of▁sentence｜>"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜>{% if thinking is defined and thinking %}<think>{% else %}</think>{% endif %}{% endif %}"
-)
+# The publisher ships no chat template: prompts come from encoding_deepseek_v4 (its Python encoding rules).
+CHAT_TEMPLATE = ""
+FORMAT_CORPUS_REPEATS = 4  # the format's fixed text weighed like a real vocabulary's frequent strings
+
+
+def format_corpus() -> tuple[str, ...]:
+    """Text in the publisher's format (the tools block, a DSML call, a tool result, the response-format block) the
+    tiny tokenizer also trains on: a 512-token vocabulary then writes a tools prompt in ~400 tokens instead of ~730,
+    and a forced tool call in ~80 instead of ~200, so both fit the tiny model's context."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}
+    text = encode_messages([{"role": "system", "content": "", "tools": tools, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}},
+        {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "sunny"}])
+    return (text,) * FORMAT_CORPUS_REPEATS
 
 TINY_CONFIG = dict(
     architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=512, hidden_size=64,
@@ -109,7 +119,8 @@ def write_tiny_checkpoint(path, seed: int = 0, quantized: bool | str = True, max
     if quantized:
         state = quantize(state, fp8_mxfp4=quantized is True)
     save_checkpoint(path, state, config, max_shard_bytes=max_shard_bytes)
-    write_tokenizer(path, vocab_size=args.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE)
+    write_tokenizer(path, vocab_size=args.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE,
+                    extra_corpus=format_corpus())
     return path
 
 

@@ -13,6 +13,7 @@ import uvicorn
 from common.engine import EngineConfig, LLMEngine
 from common.serving import AsyncLLMEngine
 from common.serving.api_server import build_app
+from chat_format_deepseek_v4 import DeepseekV4ChatFormat
 
 MODEL = "tiny-deepseek-v4"
 API_KEY = "test-key"
@@ -25,10 +26,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model, tokenizer, api_key=API_KEY, max_waiting=256, kv_connector=None, **engine_kwargs):
-    """Yields (base_url, engine); the server and its engine thread stop on exit."""
+def running_server(model, tokenizer, api_key=API_KEY, max_waiting=256, kv_connector=None, chat_format=None,
+                   **engine_kwargs):
+    """Yields (base_url, engine); the server and its engine thread stop on exit. chat_format: DeepSeek-V4's unless
+    given (the tiny model is a DeepSeek-V4)."""
     engine = LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs), kv_connector=kv_connector)
-    app = build_app(AsyncLLMEngine(engine, max_waiting=max_waiting), tokenizer, MODEL, api_key=api_key)
+    app = build_app(AsyncLLMEngine(engine, max_waiting=max_waiting), tokenizer, MODEL, api_key=api_key,
+                    chat_format=chat_format or DeepseekV4ChatFormat())
     with serve_app(app, engine) as served:
         yield served
 

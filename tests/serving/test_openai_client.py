@@ -3,6 +3,7 @@ import pytest
 from openai import OpenAI
 
 from common.engine import LLM, SamplingParams
+from encoding_deepseek_v4 import encode_chat, parse_completion
 
 from serving_harness import API_KEY, MODEL, http
 
@@ -65,38 +66,33 @@ def test_stop_string_never_leaks(client, offline):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_equals_offline(client, offline, stream):
+    """The server's chat = the offline engine on the publisher's prompt, its text (special tokens kept) parsed."""
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
-    expected = offline.generate([offline.apply_chat_template(messages)], greedy(), use_tqdm=False)[0]
+    expected = offline.generate([encode_chat(messages)], greedy(skip_special_tokens=False), use_tqdm=False)[0]
+    want = parse_completion(expected.text, thinking=False)
     kw = dict(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
     if not stream:
         r = client.chat.completions.create(**kw)
         assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
-        assert r.choices[0].message.content == expected.text and r.choices[0].finish_reason == "length"
+        assert r.choices[0].message.content == want.content and r.choices[0].finish_reason == "length"
         assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
         return
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.content
     assert chunks[-1].choices[0].finish_reason == "length"
     assert all(c.object == "chat.completion.chunk" for c in chunks)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_chat_reasoning_split(client, offline, model_and_tokenizer, stream):
-    tokenizer = model_and_tokenizer[1]
-    end_think = tokenizer.convert_tokens_to_ids("</think>")
+def test_chat_reasoning_split(client, offline, stream):
     messages = [{"role": "user", "content": "Think first."}]
-    prompt = offline.apply_chat_template(messages, thinking=True)
+    prompt = encode_chat(messages, thinking=True)
     assert prompt.endswith("<think>")
     kw = dict(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
               extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking": True}})
-    expected = offline.generate([prompt], greedy(), use_tqdm=False)[0]
-    ids = expected.token_ids
-    if end_think in ids:
-        k = ids.index(end_think)
-        want = tuple(tokenizer.decode(part, skip_special_tokens=True) for part in (ids[:k], ids[k + 1:]))
-    else:
-        want = (expected.text, "")
+    expected = offline.generate([prompt], greedy(skip_special_tokens=False), use_tqdm=False)[0]
+    want = parse_completion(expected.text, thinking=True)
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kw))
         reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
@@ -104,7 +100,7 @@ def test_chat_reasoning_split(client, offline, model_and_tokenizer, stream):
     else:
         message = client.chat.completions.create(**kw).choices[0].message
         reasoning, content = message.reasoning_content, message.content
-    assert (reasoning, content) == want
+    assert (reasoning, content) == (want.reasoning_content, want.content)
 
 
 def test_n2_seeded_and_logprobs(client):

@@ -1,6 +1,10 @@
-"""TextStream: deltas that concatenate to the engine's text, hold-backs, and the reasoning split at `</think>`."""
+"""TextStream: deltas that concatenate to the engine's text, hold-backs; the template format's reasoning split at
+`</think>` however the text is cut."""
+from hypothesis import given, settings, strategies as st
+
 from common.engine import RequestOutput
 from common.engine.detokenizer import IncrementalDetokenizer
+from common.serving.chat_format import ParsedMessage, ThinkParser
 from common.serving.streams import TextStream
 
 
@@ -18,11 +22,29 @@ def test_reasoning_then_content_split_at_the_end_think_token(model_and_tokenizer
     end = tokenizer.convert_tokens_to_ids("</think>")
     thought, answer = tokenizer("let me see", add_special_tokens=False).input_ids, \
         tokenizer(" it is 4", add_special_tokens=False).input_ids
-    ids = thought + [end] + answer
-    stream = TextStream(tokenizer, [], end)
-    deltas = [stream.update(output(ids[:k], tokenizer)) for k in range(1, len(ids))]
-    deltas.append(stream.update(output(ids, tokenizer, finished=True)))
-    assert "".join(r for r, _ in deltas) == "let me see" and "".join(c for _, c in deltas) == " it is 4"
+    ids = thought + [end] + answer + [tokenizer.eos_token_id]
+    stream, parser, deltas = TextStream(tokenizer, []), ThinkParser(True, "</think>", tokenizer.eos_token), []
+    for k in range(1, len(ids) + 1):
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)  # as chat requests decode
+        detokenizer.update(ids[:k])
+        deltas += parser.feed(stream.update(RequestOutput("r", None, [1], detokenizer.text, ids[:k], k == len(ids),
+                                                          "stop" if k == len(ids) else None)))
+    message = ParsedMessage.from_deltas(deltas + parser.finish(), thinking=True)
+    assert message.reasoning_content == "let me see" and message.content == " it is 4"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=6))
+def test_think_parser_gives_the_same_split_however_the_text_is_cut(cuts):
+    text = "a < b </thi and </think> so <b> it is </think> 4<｜end▁of▁sentence｜>"
+    parser, deltas, at = ThinkParser(True, "</think>", "<｜end▁of▁sentence｜>"), [], 0
+    for cut in sorted(set(cuts)) + [len(text)]:
+        deltas += parser.feed(text[at:max(at, cut)])
+        at = max(at, cut)
+    message = ParsedMessage.from_deltas(deltas + parser.finish(), thinking=True)
+    assert message.reasoning_content == "a < b </thi and " and message.content == " so <b> it is </think> 4"
+    chat = ParsedMessage.from_deltas(ThinkParser(False, "</think>", None).feed(text[:20]), thinking=False)
+    assert chat.reasoning_content is None and chat.content == text[:20]
 
 
 def test_stop_hold_back_and_incomplete_characters(model_and_tokenizer):
@@ -31,10 +53,10 @@ def test_stop_hold_back_and_incomplete_characters(model_and_tokenizer):
     stream = TextStream(tokenizer, ["wörld"])
     sent = ""
     for k in range(1, len(ids)):
-        _, delta = stream.update(output(ids[:k], tokenizer))
+        delta = stream.update(output(ids[:k], tokenizer))
         sent += delta
         assert "\ufffd" not in sent and "wörld" not in sent
-    sent += stream.update(output(ids, tokenizer, finished=True, text="héllo "))[1]
+    sent += stream.update(output(ids, tokenizer, finished=True, text="héllo "))
     assert sent == "héllo "
 
 
@@ -44,7 +66,7 @@ def stream_text(engine, prompt, params, stop=()):
     stream, sent, final = TextStream(engine.tokenizer, list(stop)), "", None
     while engine.has_unfinished():
         for out in engine.step():
-            sent += stream.update(out)[1]
+            sent += stream.update(out)
             final = out
     return sent, final
 

@@ -1,0 +1,158 @@
+"""POST /v1/chat/completions: messages -> the model's chat prompt (its ChatFormat) -> choices of assistant messages
+(reasoning_content, content, tool_calls), streamed as deltas or whole.
+
+Tool calls: the tools ride in the prompt as the chat format renders them (tool_choice "none" leaves them out); the
+generated markup is parsed into `tool_calls` (streamed per complete argument, finish_reason "tool_calls"), never
+into content. tool_choice "required" or a named function, strict tools and parallel_tool_calls false are forced by
+the format's tool-call grammar; response_format json_object / json_schema and the structured_outputs extension by
+theirs. In thinking mode no constraint applies until the reasoning has ended."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from common.engine.sampling_params import StructuredOutputsParams
+
+from .chat_format import ChatFormat, ChatPrompt, Conversation, Delta, ParsedMessage
+from .http_utils import APIError
+from .openai_serving import OpenAIServing
+from .protocol import ChatCompletionRequest, NamedToolChoice
+from .streams import TextStream, chat_logprobs
+
+
+class OpenAIServingChat:
+    def __init__(self, serving: OpenAIServing, chat_format: ChatFormat):
+        self.serving, self.chat_format = serving, chat_format
+        end = chat_format.reasoning_end
+        vocab = serving.tokenizer.get_vocab()
+        self.reasoning_end_id = vocab.get(end) if end is not None else None
+
+    def render(self, body: ChatCompletionRequest) -> tuple[ChatPrompt, StructuredOutputsParams | None]:
+        """The prompt and the constraint of a request (400 for what the format or the grammar refuses)."""
+        conversation = Conversation([m.as_input() for m in body.messages], body.active_tools,
+                                    body.response_format.model_dump(by_alias=True, exclude_none=True)
+                                    if body.response_format is not None else None,
+                                    body.reasoning_effort, dict(body.chat_template_kwargs or {}))
+        try:
+            prompt = self.chat_format.encode(conversation)
+        except ValueError as e:
+            param = getattr(e, "param", "messages")
+            raise APIError(400, f"{param}: {e}", param=param) from None
+        return prompt, self.constraint(body, prompt)
+
+    def constraint(self, body: ChatCompletionRequest, prompt: ChatPrompt) -> StructuredOutputsParams | None:
+        if body.forces_tool_calls:
+            choice = body.tool_choice or "auto"
+            if isinstance(choice, NamedToolChoice):
+                choice = choice.model_dump()
+            try:
+                tag = self.chat_format.tool_call_grammar(body.active_tools, choice, body.parallel_tool_calls
+                                                         is not False)
+            except ValueError as e:
+                param = getattr(e, "param", "tool_choice")
+                raise APIError(400, f"{param}: {e}", param=param) from None
+            constraint = StructuredOutputsParams(structural_tag=tag)
+        elif body.structured_outputs is not None:
+            constraint = body.structured_outputs.constraint()
+        elif body.response_format is not None:
+            constraint = body.response_format.constraint()
+        else:
+            return None
+        if prompt.thinking:  # free reasoning first; the constraint starts after its end token
+            if self.reasoning_end_id is None:
+                raise APIError(400, "chat_template_kwargs: structured output in thinking mode needs the "
+                                    "reasoning-end token, which this tokenizer lacks", param="chat_template_kwargs")
+            constraint.reasoning_end_token_id = self.reasoning_end_id
+        return constraint
+
+    async def create(self, body: ChatCompletionRequest, raw: Request):
+        s, tokenizer = self.serving, self.serving.tokenizer
+        arrival, created = time.perf_counter(), int(time.time())
+        s.check_model(body.model)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt, constraint = self.render(body)
+        await s.check_constraint(constraint, "tool_choice" if body.forces_tool_calls else
+                                 "structured_outputs" if body.structured_outputs is not None else "response_format")
+        prompts = [s.tokenize(prompt.text)]
+        tools = body.active_tools
+        streams = [TextStream(tokenizer, body.stop_strings) for _ in range(body.n)]
+        parsers = [self.chat_format.parser(prompt, tools) for _ in range(body.n)]
+        head = {"id": request_id, "object": "chat.completion.chunk" if body.stream else "chat.completion",
+                "created": created, "model": s.model_name}
+
+        def params(ids: list[int], index: int):
+            return body.sampling_params(len(ids), s.max_model_len, index=index, structured_outputs=constraint,
+                                        skip_special_tokens=False)  # the parser reads the markup
+
+        def logprobs(i, out):
+            return chat_logprobs(tokenizer, streams[i].new_logprobs(out)) if body.logprobs else None
+
+        def deltas(i, out) -> list[Delta]:
+            text = streams[i].update(out)
+            return parsers[i].feed(text) + (parsers[i].finish() if out.finished else [])
+
+        def finish_reason(i, out) -> str | None:
+            if not out.finished:
+                return None
+            return "tool_calls" if out.finish_reason == "stop" and parsers[i].has_tool_calls else out.finish_reason
+
+        if body.stream:
+            started = await s.unless_disconnected(raw, s.submit(prompts, params, body.n, request_id, raw))
+            if started is None:
+                return Response(status_code=499)  # gone before its first token (PD: while P prefilled)
+            role_sent = set()
+
+            def make_chunk(i, out):
+                delta = delta_message(deltas(i, out))
+                if i not in role_sent:
+                    role_sent.add(i)
+                    delta = {"role": "assistant", **delta}
+                elif not delta and not out.finished and not body.logprobs:
+                    return None
+                if not delta or delta.keys() == {"role"}:
+                    delta["content"] = ""
+                return {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs(i, out),
+                                             "finish_reason": finish_reason(i, out)}]}
+
+            def usage_chunk(finals):
+                return {**head, "choices": [], "usage": s.usage(prompts, finals)}
+            return s.chunk_stream(started, arrival, make_chunk, usage_chunk if body.include_usage else None)
+
+        finals = await s.generate_whole(prompts, params, body.n, request_id, arrival, raw)
+        if finals is None:
+            return Response(status_code=499)  # nobody is listening
+        choices = []
+        for i in range(len(finals)):
+            message = ParsedMessage.from_deltas(deltas(i, finals[i]), prompt.thinking).to_message()
+            if message.get("tool_calls") and not message["content"]:
+                message["content"] = None  # OpenAI's shape for a reply that is only calls
+            choices.append({"index": i, "message": message, "logprobs": logprobs(i, finals[i]),
+                            "finish_reason": finish_reason(i, finals[i])})
+        return {**head, "choices": choices, "usage": s.usage(prompts, finals)}
+
+
+def delta_message(deltas: list[Delta]) -> dict:
+    """One chunk's delta from a step's parsed pieces: reasoning and content joined, tool-call pieces merged by call
+    (OpenAI's streamed shape: the first piece of a call has id, type and name, later ones argument text)."""
+    out, calls = {}, []
+    for d in deltas:
+        if d.reasoning_content is not None:
+            out["reasoning_content"] = out.get("reasoning_content", "") + d.reasoning_content
+        elif d.content is not None:
+            out["content"] = out.get("content", "") + d.content
+        else:
+            c = d.tool_call
+            if calls and calls[-1]["index"] == c.index and c.id is None:
+                calls[-1]["function"]["arguments"] += c.arguments
+                continue
+            entry = {"index": c.index, "function": {"arguments": c.arguments}}
+            if c.id is not None:
+                entry = {"index": c.index, "id": c.id, "type": "function",
+                         "function": {"name": c.name, "arguments": c.arguments}}
+            calls.append(entry)
+    if calls:
+        out["tool_calls"] = calls
+    return out

@@ -1,0 +1,180 @@
+"""The request path every generation endpoint shares (vLLM's OpenAIServing): check the model, tokenize, submit the
+engine requests (n choices a prompt, PD's remote prefill), stream them as server-sent events or collect them whole,
+count usage and outcomes, and stop when the client leaves. The endpoints (completions.py, chat.py, responses.py)
+only turn their request bodies into prompts and sampling parameters, and engine outputs into their response shapes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from common.engine import SamplingParams
+from common.engine.sampling_params import StructuredOutputsParams
+
+from .async_engine import AsyncLLMEngine, EngineOverloaded
+from .http_utils import APIError, run_unless_disconnected
+from .metrics import ServerMetrics
+from .pd_decode import DecodeConnector
+from .pd_protocol import PREFILL_HEADER
+from .streams import merge, start
+
+logger = logging.getLogger("npu_cookbook.serving")
+
+
+def sse(obj, event: str | None = None) -> str:
+    """One server-sent event: `data: <json>` (with `event: <type>` first where the endpoint names its events)."""
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def error_event(message: str) -> dict:
+    return {"error": {"message": f"generation failed: {message}", "type": "internal_server_error", "param": None,
+                      "code": 500}}
+
+
+class OpenAIServing:
+    def __init__(self, async_engine: AsyncLLMEngine, tokenizer, model_name: str, metrics: ServerMetrics):
+        self.async_engine, self.tokenizer, self.model_name, self.metrics = async_engine, tokenizer, model_name, metrics
+        self.engine = async_engine.engine
+        self.connector = self.engine.kv_connector
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                           "NotFoundError", "model")
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return (self.tokenizer(prompt, add_special_tokens=False).input_ids if isinstance(prompt, str)
+                else list(prompt))
+
+    def remote_prefill(self, raw: Request) -> dict | None:
+        """PD decode side: the kv_transfer_params of a request the router paired with a prefill instance."""
+        url = raw.headers.get(PREFILL_HEADER)
+        if url is None:
+            return None  # served here from the prompt on, as colocated
+        if not isinstance(self.connector, DecodeConnector):
+            raise APIError(400, f"{PREFILL_HEADER}: this instance is not a PD decode instance", param=PREFILL_HEADER)
+        try:
+            return {"do_remote_prefill": True, "prefill_url": self.connector.check_prefill_url(url)}
+        except ValueError as e:
+            raise APIError(400, str(e), param=PREFILL_HEADER) from None
+
+    async def check_constraint(self, constraint: StructuredOutputsParams | None, field: str) -> None:
+        """Compile a request's grammar now (the engine's cache keeps it), so that one the grammar library refuses
+        is a 400 naming the request field it came from."""
+        manager = self.engine.structured_output
+        if constraint is None:
+            return
+        if manager is None:
+            raise APIError(400, f"{field}: structured output needs the engine's tokenizer", param=field)
+        try:
+            await asyncio.to_thread(manager.compile, constraint)
+        except ValueError as e:
+            raise APIError(400, f"{field}: {e}", param=field) from None
+
+    async def submit(self, prompts: list[list[int]], params: Callable[[list[int], int], SamplingParams], n: int,
+                     request_id: str, raw: Request) -> list:
+        """n engine requests a prompt, params(prompt ids, choice index) each; started (each first output in)."""
+        try:
+            sampling = [params(p, j) for p in prompts for j in range(n)]
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        expanded = [p for p in prompts for _ in range(n)]
+        kv = self.remote_prefill(raw)
+        try:
+            return await start(self.async_engine, expanded, sampling, request_id, kv)
+        except EngineOverloaded as e:
+            raise APIError(503, str(e), "server_overloaded", headers={"Retry-After": "1"}) from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+
+    @staticmethod
+    def usage(prompts: list[list[int]], finals: dict) -> dict:
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(len(o.token_ids) for o in finals.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    async def unless_disconnected(self, raw: Request, work):
+        """work's result, or None when the client left first (its engine requests are aborted)."""
+        finished, result = await run_unless_disconnected(raw, work)
+        if not finished:
+            self.metrics.count("aborted")
+        return result
+
+    async def collect(self, started, arrival: float) -> dict:
+        """The final output of every choice; 500 if one failed."""
+        finals = {}
+        async for i, out in merge(started, self.metrics, arrival):
+            if out.finished:
+                finals[i] = out
+        failed = [out.error for out in finals.values() if out.finish_reason == "error"]
+        if failed:
+            raise APIError(500, f"generation failed: {failed[0]}", "internal_server_error")
+        return finals
+
+    async def generate_whole(self, prompts, params, n: int, request_id: str, arrival: float, raw: Request):
+        """Submit and collect, unless the client leaves: the finals, or None (nobody is listening)."""
+        async def work():
+            return await self.collect(await self.submit(prompts, params, n, request_id, raw), arrival)
+        finals = await self.unless_disconnected(raw, work())
+        if finals is not None:
+            self.metrics.count("success")
+        return finals
+
+    def stream(self, started, arrival: float, events: Callable[[AsyncIterator], AsyncIterator[str]],
+               trailer: str = "") -> StreamingResponse:
+        """SSE of the frames `events` makes of the (choice index, output) pairs as they come. `events` ends a failed
+        stream by yielding FAILED after its error frames; a fault mid-stream ends it with an error event, then
+        `trailer` (the chat / completions shape's `data: [DONE]`). Outcomes counted."""
+        return StreamingResponse(self._counted(merge(started, self.metrics, arrival), events, trailer),
+                                 media_type="text/event-stream")
+
+    async def _counted(self, outputs, events, trailer: str) -> AsyncIterator[str]:
+        outcome = "aborted"
+        try:
+            async for frame in events(outputs):
+                if frame is FAILED:
+                    outcome = "error"
+                    return
+                yield frame
+            outcome = "success"
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
+            logger.exception("generation failed mid-stream")
+            outcome = "error"
+            yield sse(error_event(str(e))) + trailer
+        finally:
+            self.metrics.count(outcome)
+
+    def chunk_stream(self, started, arrival: float, make_chunk, usage_chunk=None) -> StreamingResponse:
+        """The completions / chat stream: `data:` chunks make_chunk(i, out) builds (None: nothing to send), a
+        failed choice's chunk then an error event, the usage chunk usage_chunk(finals) if given, `data: [DONE]`."""
+        async def events(outputs):
+            finals = {}
+            async for i, out in outputs:
+                chunk = make_chunk(i, out)
+                if chunk is not None:
+                    yield sse(chunk)
+                if out.finished:
+                    finals[i] = out
+                if out.finish_reason == "error":  # the choice's finish_reason said it; the event says why
+                    yield sse(error_event(out.error)) + DONE
+                    yield FAILED
+                    return
+            if usage_chunk is not None:
+                yield sse(usage_chunk(finals))
+            yield DONE
+        return self.stream(started, arrival, events, DONE)
+
+
+DONE = "data: [DONE]\n\n"
+FAILED = object()  # an `events` generator yields it after its error frames: the stream ends, counted as an error
