@@ -27,9 +27,10 @@ from .http_utils import APIError, error_response
 from .metrics import ServerMetrics
 from .openai_serving import OpenAIServing
 from .pd_prefill import PrefillConnector, add_prefill_routes
+from .responses import OpenAIServingResponses
 
 logger = logging.getLogger("npu_cookbook.serving")
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 class EndQuietlyOnCancel:
@@ -111,7 +112,9 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
     authorized = [Depends(check_api_key)]
     app.post("/v1/completions", dependencies=authorized)(OpenAIServingCompletion(serving).create)
     chat_format = chat_format if chat_format is not None else TemplateChatFormat(tokenizer)
-    app.post("/v1/chat/completions", dependencies=authorized)(OpenAIServingChat(serving, chat_format).create)
+    chat = OpenAIServingChat(serving, chat_format)
+    app.post("/v1/chat/completions", dependencies=authorized)(chat.create)
+    app.post("/v1/responses", dependencies=authorized)(OpenAIServingResponses(serving, chat).create)
 
     @app.get("/v1/models", dependencies=authorized)
     async def models():

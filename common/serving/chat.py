@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from common.engine.sampling_params import StructuredOutputsParams
 
-from .chat_format import ChatFormat, ChatPrompt, Conversation, Delta, ParsedMessage
+from .chat_format import ChatFormat, ChatFormatError, ChatPrompt, Conversation, Delta, OutputParser, ParsedMessage
 from .http_utils import APIError
 from .openai_serving import OpenAIServing
 from .protocol import ChatCompletionRequest, NamedToolChoice
@@ -30,43 +30,47 @@ class OpenAIServingChat:
         vocab = serving.tokenizer.get_vocab()
         self.reasoning_end_id = vocab.get(end) if end is not None else None
 
+    def prepare(self, conversation: Conversation, tool_choice: str | dict | None, parallel_tool_calls: bool | None,
+                forces_tool_calls: bool, constraint: StructuredOutputsParams | None
+                ) -> tuple[ChatPrompt, StructuredOutputsParams | None]:
+        """A conversation's prompt and constraint: the format's tool-call grammar when forces_tool_calls (tool_choice
+        None: "auto"), else `constraint` (a response format's or structured outputs'); in thinking mode it starts
+        after the reasoning. ChatFormatError naming the chat request field at fault (messages, tools, tool_choice,
+        response_format, reasoning_effort, chat_template_kwargs); each endpoint names its own."""
+        try:
+            prompt = self.chat_format.encode(conversation)
+        except ValueError as e:
+            raise ChatFormatError(getattr(e, "param", "messages"), str(e)) from None
+        if forces_tool_calls:
+            try:
+                tag = self.chat_format.tool_call_grammar(conversation.tools, tool_choice or "auto",
+                                                         parallel_tool_calls is not False)
+            except ValueError as e:
+                raise ChatFormatError(getattr(e, "param", "tool_choice"), str(e)) from None
+            constraint = StructuredOutputsParams(structural_tag=tag)
+        if constraint is not None and prompt.thinking:  # free reasoning first; the constraint starts after its end
+            if self.reasoning_end_id is None:
+                raise ChatFormatError("chat_template_kwargs", "structured output in thinking mode needs the "
+                                      "reasoning-end token, which this tokenizer lacks")
+            constraint.reasoning_end_token_id = self.reasoning_end_id
+        return prompt, constraint
+
     def render(self, body: ChatCompletionRequest) -> tuple[ChatPrompt, StructuredOutputsParams | None]:
         """The prompt and the constraint of a request (400 for what the format or the grammar refuses)."""
         conversation = Conversation([m.as_input() for m in body.messages], body.active_tools,
                                     body.response_format.model_dump(by_alias=True, exclude_none=True)
                                     if body.response_format is not None else None,
                                     body.reasoning_effort, dict(body.chat_template_kwargs or {}))
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+        constraint = (body.structured_outputs.constraint() if body.structured_outputs is not None
+                      else body.response_format.constraint() if body.response_format is not None else None)
         try:
-            prompt = self.chat_format.encode(conversation)
-        except ValueError as e:
-            param = getattr(e, "param", "messages")
-            raise APIError(400, f"{param}: {e}", param=param) from None
-        return prompt, self.constraint(body, prompt)
+            return self.prepare(conversation, choice, body.parallel_tool_calls, body.forces_tool_calls, constraint)
+        except ChatFormatError as e:
+            raise APIError(400, f"{e.param}: {e}", param=e.param) from None
 
-    def constraint(self, body: ChatCompletionRequest, prompt: ChatPrompt) -> StructuredOutputsParams | None:
-        if body.forces_tool_calls:
-            choice = body.tool_choice or "auto"
-            if isinstance(choice, NamedToolChoice):
-                choice = choice.model_dump()
-            try:
-                tag = self.chat_format.tool_call_grammar(body.active_tools, choice, body.parallel_tool_calls
-                                                         is not False)
-            except ValueError as e:
-                param = getattr(e, "param", "tool_choice")
-                raise APIError(400, f"{param}: {e}", param=param) from None
-            constraint = StructuredOutputsParams(structural_tag=tag)
-        elif body.structured_outputs is not None:
-            constraint = body.structured_outputs.constraint()
-        elif body.response_format is not None:
-            constraint = body.response_format.constraint()
-        else:
-            return None
-        if prompt.thinking:  # free reasoning first; the constraint starts after its end token
-            if self.reasoning_end_id is None:
-                raise APIError(400, "chat_template_kwargs: structured output in thinking mode needs the "
-                                    "reasoning-end token, which this tokenizer lacks", param="chat_template_kwargs")
-            constraint.reasoning_end_token_id = self.reasoning_end_id
-        return constraint
+    def decoder(self, prompt: ChatPrompt, tools: list[dict] | None, stop: list[str]) -> ChoiceDecoder:
+        return ChoiceDecoder(self.serving.tokenizer, self.chat_format.parser(prompt, tools), stop)
 
     async def create(self, body: ChatCompletionRequest, raw: Request):
         s, tokenizer = self.serving, self.serving.tokenizer
@@ -78,8 +82,7 @@ class OpenAIServingChat:
                                  "structured_outputs" if body.structured_outputs is not None else "response_format")
         prompts = [s.tokenize(prompt.text)]
         tools = body.active_tools
-        streams = [TextStream(tokenizer, body.stop_strings) for _ in range(body.n)]
-        parsers = [self.chat_format.parser(prompt, tools) for _ in range(body.n)]
+        decoders = [self.decoder(prompt, tools, body.stop_strings) for _ in range(body.n)]
         head = {"id": request_id, "object": "chat.completion.chunk" if body.stream else "chat.completion",
                 "created": created, "model": s.model_name}
 
@@ -88,16 +91,13 @@ class OpenAIServingChat:
                                         skip_special_tokens=False)  # the parser reads the markup
 
         def logprobs(i, out):
-            return chat_logprobs(tokenizer, streams[i].new_logprobs(out)) if body.logprobs else None
+            return chat_logprobs(tokenizer, decoders[i].stream.new_logprobs(out)) if body.logprobs else None
 
         def deltas(i, out) -> list[Delta]:
-            text = streams[i].update(out)
-            return parsers[i].feed(text) + (parsers[i].finish() if out.finished else [])
+            return decoders[i].deltas(out)
 
         def finish_reason(i, out) -> str | None:
-            if not out.finished:
-                return None
-            return "tool_calls" if out.finish_reason == "stop" and parsers[i].has_tool_calls else out.finish_reason
+            return decoders[i].finish_reason(out)
 
         if body.stream:
             started = await s.unless_disconnected(raw, s.submit(prompts, params, body.n, request_id, raw))
@@ -132,6 +132,23 @@ class OpenAIServingChat:
             choices.append({"index": i, "message": message, "logprobs": logprobs(i, finals[i]),
                             "finish_reason": finish_reason(i, finals[i])})
         return {**head, "choices": choices, "usage": s.usage(prompts, finals)}
+
+
+class ChoiceDecoder:
+    """One choice's generated text (special tokens kept, held back at a possible stop string) through the chat
+    format's parser: each engine output's deltas, and the finish reason ("tool_calls" for a stop after calls)."""
+
+    def __init__(self, tokenizer, parser: OutputParser, stop: list[str]):
+        self.stream, self.parser = TextStream(tokenizer, stop), parser
+
+    def deltas(self, out) -> list[Delta]:
+        text = self.stream.update(out)
+        return self.parser.feed(text) + (self.parser.finish() if out.finished else [])
+
+    def finish_reason(self, out) -> str | None:
+        if not out.finished:
+            return None
+        return "tool_calls" if out.finish_reason == "stop" and self.parser.has_tool_calls else out.finish_reason
 
 
 def delta_message(deltas: list[Delta]) -> dict:

@@ -48,6 +48,9 @@ class DeepseekV4ChatFormat:
         return StreamingParser(prompt.thinking, tools)
 
     def tool_call_grammar(self, tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool) -> dict:
+        """Every tool's arguments are forced to its `parameters` schema once the grammar applies (xgrammar lets a
+        non-strict tool's call carry any JSON: a forced call would then be free to be `{}`)."""
+        tools = [{**t, "function": {**t["function"], "strict": True}} for t in tools]
         tag = xgr.get_model_structural_tag("deepseek_v4", tools=tools, tool_choice=tool_choice, reasoning=False,
                                            parallel_tool_calls=parallel_tool_calls, max_whitespace_cnt=MAX_WHITESPACE)
         return tag.model_dump(mode="json")
