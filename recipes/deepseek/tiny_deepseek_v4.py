@@ -108,6 +108,18 @@ def quantize(state: dict[str, torch.Tensor], fp8_mxfp4: bool = True) -> dict[str
     return out
 
 
+# Bumped when what the writer writes changes (the tokenizer and its chat format, the MTP layer, ...): a tiny
+# checkpoint written by an older revision is rewritten on next use (is_current).
+TINY_REVISION = 2
+REVISION_FILE = "tiny_revision.txt"
+
+
+def is_current(path) -> bool:
+    """Whether `path` holds a tiny checkpoint written by this revision of the writer."""
+    marker = Path(path) / REVISION_FILE
+    return (Path(path) / "config.json").exists() and marker.exists() and marker.read_text().strip() == str(TINY_REVISION)
+
+
 def write_tiny_checkpoint(path, seed: int = 0, quantized: bool | str = True, max_shard_bytes: int | None = 256 * 1024,
                           **overrides) -> Path:
     """Write config.json, safetensors shards (+ index) and the tokenizer into `path`; returns the path.
@@ -121,6 +133,7 @@ def write_tiny_checkpoint(path, seed: int = 0, quantized: bool | str = True, max
     save_checkpoint(path, state, config, max_shard_bytes=max_shard_bytes)
     write_tokenizer(path, vocab_size=args.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE,
                     extra_corpus=format_corpus())
+    (path / REVISION_FILE).write_text(f"{TINY_REVISION}\n")
     return path
 
 
