@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 import uvicorn
+from torch import nn
 
 from common.engine import EngineConfig, LLMEngine
 from common.serving import AsyncLLMEngine
@@ -75,3 +76,28 @@ def http(method: str, url: str, body=None, headers=None, timeout=30) -> tuple[in
             return r.status, r.headers, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.headers, e.read()
+
+
+class RaisesOnToken(nn.Module):
+    """The tiny DeepSeek-V4, except that a forward whose inputs hold `token` raises (a fault inside the step)."""
+
+    def __init__(self, model, token: int):
+        super().__init__()
+        self.model, self.token, self.args = model, token, model.args
+
+    def forward(self, batch):
+        if bool((batch.input_ids == self.token).any()):
+            raise RuntimeError(f"the forward met token {self.token}")
+        return self.model(batch)
+
+    def cache_specs(self, block_size):
+        return self.model.cache_specs(block_size)
+
+    def cache_bytes_per_block(self, block_size):
+        return self.model.cache_bytes_per_block(block_size)
+
+    def allocate_caches(self, num_blocks, block_size):
+        return self.model.allocate_caches(num_blocks, block_size)
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)

@@ -10,12 +10,11 @@ import re
 import jsonschema
 import pytest
 from openai import OpenAI
-from torch import nn
 
 from common.serving.protocol_responses import ResponsesRequest
 from encoding_deepseek_v4 import encode_chat
 
-from serving_harness import API_KEY, MODEL, http, running_server, wait_until
+from serving_harness import API_KEY, MODEL, RaisesOnToken, http, running_server, wait_until
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -304,31 +303,6 @@ def test_streams_closed_midway_are_aborted_and_free_their_kv_blocks(client, serv
         stream.close()
     assert wait_until(lambda: engine.kv_cache.all_blocks_free() and not engine.has_unfinished(), timeout=20)
     assert wait_until(lambda: aborted(url) > before)
-
-
-class RaisesOnToken(nn.Module):
-    """The tiny DeepSeek-V4, except that a forward whose inputs hold `token` raises (a fault inside the step)."""
-
-    def __init__(self, model, token: int):
-        super().__init__()
-        self.model, self.token, self.args = model, token, model.args
-
-    def forward(self, batch):
-        if bool((batch.input_ids == self.token).any()):
-            raise RuntimeError(f"the forward met token {self.token}")
-        return self.model(batch)
-
-    def cache_specs(self, block_size):
-        return self.model.cache_specs(block_size)
-
-    def cache_bytes_per_block(self, block_size):
-        return self.model.cache_bytes_per_block(block_size)
-
-    def allocate_caches(self, num_blocks, block_size):
-        return self.model.allocate_caches(num_blocks, block_size)
-
-    def compute_logits(self, hidden):
-        return self.model.compute_logits(hidden)
 
 
 def test_a_failing_generation_ends_the_stream_with_response_failed(model_and_tokenizer):

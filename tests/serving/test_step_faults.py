@@ -5,37 +5,11 @@ import json
 import openai
 import pytest
 from openai import OpenAI
-from torch import nn
 
 from common.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from serving_harness import API_KEY, MODEL, http, running_server, wait_until
+from serving_harness import API_KEY, MODEL, RaisesOnToken, http, running_server, wait_until
 
 POISON = 7  # a token id the test model refuses
-
-
-class RaisesOnToken(nn.Module):
-    """The tiny DeepSeek-V4, except that a forward whose inputs hold `token` raises (a fault inside the step)."""
-
-    def __init__(self, model, token: int):
-        super().__init__()
-        self.model, self.token, self.args = model, token, model.args
-
-    def forward(self, batch):
-        if bool((batch.input_ids == self.token).any()):
-            raise RuntimeError(f"the forward met token {self.token}")
-        return self.model(batch)
-
-    def cache_specs(self, block_size):
-        return self.model.cache_specs(block_size)
-
-    def cache_bytes_per_block(self, block_size):
-        return self.model.cache_bytes_per_block(block_size)
-
-    def allocate_caches(self, num_blocks, block_size):
-        return self.model.allocate_caches(num_blocks, block_size)
-
-    def compute_logits(self, hidden):
-        return self.model.compute_logits(hidden)
 
 
 @pytest.fixture(scope="module")
