@@ -17,6 +17,8 @@ import torch
 
 from .sampling_params import SamplingParams
 
+LOGPROB_FLOOR = -9999.0  # a log-prob of a token the request's grammar forbids (-inf is not JSON), vLLM's floor
+
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """The per-request RNG for a seeded request (None without a seed: the row uses the global RNG)."""
@@ -127,7 +129,7 @@ def _race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]) -> list[TokenLogprobs | None]:
     """Row i: token_ids[i]'s log_softmax(logits[i]) and the num_top[i] largest, best first (None: row not asked).
     logits [B, V], token_ids [B]. Prompt log-probs use it with token_ids = the next prompt tokens."""
-    logprobs = logits.float().log_softmax(dim=-1)  # [B, V], raw logits: see the module docstring
+    logprobs = logits.float().log_softmax(dim=-1).clamp_(min=LOGPROB_FLOOR)  # [B, V], raw logits (module docstring)
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
     n = max((k or 0 for k in num_top), default=0)
     top_values, top_ids = logprobs.topk(n, dim=-1)  # [B, n], sorted descending

@@ -115,24 +115,27 @@ class StructuredOutputManager:
         walked = [0] * len(rows)  # drafts each matcher accepted (rolled back at the end)
         alive = [s is not None for s in starts]
         filled = []
-        for level in range(max((len(d) for _, _, d in rows), default=0) + 1):
-            stepping = [j for j, (state, _, drafts) in enumerate(rows)
-                        if alive[j] and starts[j] < level <= len(drafts)]
-            accepted = xgr.BatchGrammarMatcher.batch_accept_token(
-                [rows[j][0].matcher for j in stepping], [rows[j][2][level - 1] for j in stepping]) if stepping else []
-            for j, ok in zip(stepping, accepted):
-                walked[j] += ok
-                alive[j] = ok
-            picked = [j for j, (state, _, drafts) in enumerate(rows)
-                      if alive[j] and starts[j] <= level <= len(drafts) and not state.matcher.is_terminated()]
-            if picked:
-                indices = [rows[j][1] + level for j in picked]
-                self.batch_matcher.batch_fill_next_token_bitmask([rows[j][0].matcher for j in picked], self.bitmask,
-                                                                 indices)
-                filled += indices
-        for (state, _, _), w in zip(rows, walked):
-            if w:
-                state.matcher.rollback(w)
+        try:
+            for level in range(max((len(d) for _, _, d in rows), default=0) + 1):
+                stepping = [j for j, (state, _, drafts) in enumerate(rows)
+                            if alive[j] and starts[j] < level <= len(drafts)]
+                accepted = xgr.BatchGrammarMatcher.batch_accept_token(
+                    [rows[j][0].matcher for j in stepping],
+                    [rows[j][2][level - 1] for j in stepping]) if stepping else []
+                for j, ok in zip(stepping, accepted):
+                    walked[j] += ok
+                    alive[j] = ok
+                picked = [j for j, (state, _, drafts) in enumerate(rows)
+                          if alive[j] and starts[j] <= level <= len(drafts) and not state.matcher.is_terminated()]
+                if picked:
+                    indices = [rows[j][1] + level for j in picked]
+                    self.batch_matcher.batch_fill_next_token_bitmask([rows[j][0].matcher for j in picked],
+                                                                     self.bitmask, indices)
+                    filled += indices
+        finally:  # also when a matcher raises: no state is left advanced by a draft
+            for (state, _, _), w in zip(rows, walked):
+                if w:
+                    state.matcher.rollback(w)
         if filled:
             bitmask = self.bitmask[:n].to(logits.device, non_blocking=True)  # [N, ceil(V / 32)]
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=filled)
