@@ -130,6 +130,11 @@ class ModelArgs:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def hc_mult(self) -> int:
+        """Residual streams per token that the MTP layer reads (DeepSeek-V4's hyper-connections): one here."""
+        return 1
+
+    @property
     def eos_token_ids(self) -> list[int]:
         eos = self.eos_token_id
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -189,6 +194,16 @@ class ModelArgs:
                 cfg[key] = none_means
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in cfg.items() if k in names})
+
+
+def cache_bytes_per_token(args: ModelArgs, dtype_bytes: int = 2) -> dict[str, int]:
+    """KV-cache bytes one token takes over all num_hidden_layers layers: "latent" (what the model caches: the
+    normalised latent + the rope key, one row, plus V3.2's indexer key), "expanded" (per-head K [qk_head_dim] and V
+    [v_head_dim] of every head, as plain multi-head attention would cache them) and their ratio ("ratio_x100")."""
+    latent = args.kv_lora_rank + args.qk_rope_head_dim + (args.index_head_dim if args.sparse else 0)
+    expanded = args.num_attention_heads * (args.qk_head_dim + args.v_head_dim)
+    n = args.num_hidden_layers * dtype_bytes
+    return {"latent": latent * n, "expanded": expanded * n, "ratio_x100": round(100 * expanded / latent)}
 
 
 # transformers' DeepseekV3Config lets these be null: what null means there

@@ -16,7 +16,23 @@ Two ways to attend over it, equal in exact arithmetic:
 - expanded (prefill): the cached latents are expanded by kv_b_proj into per-head k_nope / v once, and ordinary
   attention runs over them (cheaper when many queries share the keys).
 V3.2: a lightning indexer picks each query's top index_topk keys of its own sequence (sum_h w_h relu(q_h . k),
-ops.lightning_indexer), and attention reads only those (ops.sparse_attention).
+ops.lightning_indexer), and attention reads only those (ops.sparse_attention): absorbed, straight from the cache
+rows by slot; expanded, from the gathered rows.
+
+Parallel (common.parallel.LLMParallelLayout): attention TP splits the query heads over `attn_tp` (q_b_proj /
+q_proj and kv_b_proj by rows, o_proj by columns, its output summed over the group); the low-rank projections, the
+latent cache and V3.2's indexer are replicated (every TP rank holds every token's latent); routed experts are
+sharded over `moe_ep` (tokens dispatched to the ranks owning their experts and combined back; under attention TP
+each TP rank routes its share of the tokens); router, shared experts and dense MLPs replicated; embedding and LM
+head vocabulary parallel over `embed_tp` / `lmhead_tp`. A sliced parameter carries `.shard`, which the loader reads.
+
+Multi-token prediction (`mtp=True`): the publisher's `model.layers.{num_hidden_layers + i}` (`self.mtp[i]`), fed
+eh_proj([enorm(embedding of the next token); hnorm(hidden)]) where hidden is the main model's final normed hidden
+state (or the previous draft's output), then a full decoder layer; shared_head.norm and the main LM head give its
+logits. Its latent rows live in the same cache group as the main layers'.
+
+Graph mode: a decode step (every sequence the same few new tokens) reads no tensor on the host: the absorbed
+paged attention and the indexer pad their keys to the batch's `max_seqlen_k`.
 """
 from __future__ import annotations
 
@@ -27,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import ops
+from common import parallel as par
 from common.engine.forward_batch import ForwardBatch
 from common.kv_cache import CacheGroupSpec
 from config_deepseek_v3 import ModelArgs
@@ -88,12 +105,13 @@ class RMSNorm(nn.Module):
 
 
 class KVBProj(nn.Module):
-    """kv_b_proj's weight [H * (nope + v), R] as the checkpoint stores it; a plain parameter (never repacked),
-    read whole for the expansion and as its halves W_UK [H, nope, R] / W_UV [H, v, R] for the absorbed path."""
+    """kv_b_proj's weight [H * (nope + v), R] as the checkpoint stores it (H: this rank's heads); a plain parameter
+    (never repacked), read whole for the expansion and as its halves W_UK [H, nope, R] / W_UV [H, v, R] for the
+    absorbed path."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, heads: int):
         super().__init__()
-        self.heads, self.nope, self.v = args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim
+        self.heads, self.nope, self.v = heads, args.qk_nope_head_dim, args.v_head_dim
         self.weight = nn.Parameter(torch.empty(self.heads * (self.nope + self.v), args.kv_lora_rank))
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +125,8 @@ class KVBProj(nn.Module):
 
 
 def gather_rows(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor):
-    """Each sequence's cached rows [0, seq_len), packed in order: ([S, ...], cu_seqlens_k [B+1] int32)."""
+    """Each sequence's cached rows [0, seq_len), packed in order: ([S, ...], cu_seqlens_k [B+1] int32).
+    Reads the total length on the host (prefill steps)."""
     block_size = cache.shape[1]
     cu = F.pad(seq_lens.long().cumsum(0), (1, 0))  # [B+1]
     token = torch.arange(int(cu[-1]), device=cache.device)  # [S]
@@ -117,12 +136,39 @@ def gather_rows(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch
     return cache.flatten(0, 1)[slots], cu.int()
 
 
+def padded_rows(cache: torch.Tensor, block_tables: torch.Tensor, width: int):
+    """Positions [0, width) of every sequence through its block table, sequence b at rows b * width..: ([B * width,
+    ...], cu [B+1] int32). No host read (decode steps); rows past a sequence's length are whatever its table
+    points at, for the reader to mask."""
+    B, block_size = block_tables.shape[0], cache.shape[1]
+    pos = torch.arange(width, device=cache.device)  # [W]
+    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, W]
+    cu = torch.arange(B + 1, dtype=torch.int32, device=cache.device) * width  # [B+1]
+    return cache.flatten(0, 1)[slots.flatten()], cu
+
+
+def position_slots(batch: ForwardBatch, pos: torch.Tensor) -> torch.Tensor:
+    """pos [T, k] positions in each token's own sequence (-1 = empty) -> the latent cache rows holding them, -1 kept."""
+    table = batch.block_tables[LATENT][batch.seq_ids]  # [T, max_blocks]
+    p = pos.clamp(min=0).long()
+    bs = batch.block_size
+    slots = table.gather(1, p // bs).long() * bs + p % bs  # [T, k]
+    return torch.where(pos >= 0, slots, -1)
+
+
+def is_decode_step(batch: ForwardBatch, num_tokens: int) -> bool:
+    """Every sequence computes the same few (<= ABSORB_MAX_QUERIES) new tokens: a decode step (or MTP verify); host
+    ints only, so a graph-mode step always takes the same path."""
+    q = batch.max_seqlen_q
+    return 0 < q <= ABSORB_MAX_QUERIES and num_tokens == batch.num_seqs * q
+
+
 class Indexer(nn.Module):
     """V3.2's lightning indexer: per query, the top index_topk keys of its sequence by sum_h w_h relu(q_h . k).
 
     q_h = wq_b(the normed low-rank query), k = LayerNorm(wk(x)), both with half-split RoPE on their first Dr
     channels; w = weights_proj(x) / sqrt(heads); scores carry index_head_dim^-0.5 (folded into w: relu is
-    positively homogeneous). The keys are cached per token in the latent group."""
+    positively homogeneous). The keys are cached per token in the latent group. Replicated over attention TP."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -139,48 +185,60 @@ class Indexer(nn.Module):
         pe, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
         return torch.cat([ops.rotary_emb(pe, cos, sin, interleaved=False), rest], dim=-1)
 
-    def forward(self, x, q_lora, rope, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (indices [T, index_topk] into the gathered rows of the batch's sequences, -1 = empty; cu_seqlens_k)."""
+    def forward(self, x, q_lora, rope, batch: ForwardBatch) -> torch.Tensor:
+        """-> positions [T, index_topk] in each query's own sequence of the keys it keeps, -1 = empty. A decode step
+        scores max_seqlen_k padded keys per sequence (no host read); others gather the sequences' keys."""
         T = x.shape[0]
         cos, sin = rope["half"]
         q = self._rope(self.wq_b(q_lora).view(T, self.heads, self.dim), cos, sin)  # [T, Hi, Di]
         k = self._rope(self.k_norm(self.wk(x)).view(T, 1, self.dim), cos, sin)  # [T, 1, Di]
         ops.reshape_and_cache(k, None, self.k_cache, None, batch.slot_mapping[LATENT])
-        keys, cu_k = gather_rows(self.k_cache, batch.block_tables[LATENT], batch.seq_lens)  # [S, 1, Di]
+        if is_decode_step(batch, T):
+            keys, cu_k = padded_rows(self.k_cache, batch.block_tables[LATENT], batch.max_seqlen_k)  # [B*W, 1, Di]
+        else:
+            keys, cu_k = gather_rows(self.k_cache, batch.block_tables[LATENT], batch.seq_lens)  # [S, 1, Di]
         w = self.weights_proj(x).float() * (self.heads ** -0.5 * self.dim ** -0.5)  # [T, Hi]
         idx = ops.lightning_indexer(q, keys[:, 0], w, batch.cu_seqlens_q, cu_k, batch.positions + 1, self.topk,
                                     max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)  # [T, k]
-        return idx, cu_k
+        start = cu_k[:-1].long()[batch.seq_ids]  # [T] first row of each query's sequence
+        return torch.where(idx >= 0, idx - start[:, None], -1)  # [T, k]
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention; `mode` "auto" (absorbed for decode steps, expanded otherwise), "absorbed" or
-    "expanded"."""
+    """Multi-head latent attention over this rank's heads; `mode` "auto" (absorbed for decode steps, expanded
+    otherwise), "absorbed" or "expanded"."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, parallel: par.Parallel):
         super().__init__()
         a = args
-        H = self.heads = a.num_attention_heads
+        self.tp_group = parallel.group("attn_tp")
+        H = self.heads = a.num_attention_heads // parallel.size("attn_tp")
         self.rank, self.rope_dim = a.kv_lora_rank, a.qk_rope_head_dim
         self.nope, self.v_dim = a.qk_nope_head_dim, a.v_head_dim
         self.scale = a.softmax_scale
         if a.q_lora_rank is None:
             self.q_proj = nn.Linear(a.hidden_size, H * a.qk_head_dim, bias=False)
+            q_out = self.q_proj
         else:
             self.q_a_proj = nn.Linear(a.hidden_size, a.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(a.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(a.q_lora_rank, H * a.qk_head_dim, bias=False)
+            q_out = self.q_b_proj
         self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = KVBProj(a)
+        self.kv_b_proj = KVBProj(a, H)
         self.o_proj = nn.Linear(H * a.v_head_dim, a.hidden_size, bias=False)
+        for param, dim in ((q_out.weight, 0), (self.kv_b_proj.weight, 0), (self.o_proj.weight, 1)):
+            par.shard(param, dim, parallel, "attn_tp")  # this rank's heads
         self.indexer = Indexer(a) if a.sparse else None
         self.kv_cache = None  # [num_blocks, block_size, 1, R + Dr]
         self.mode = "auto"
 
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, D] -> [T, D]"""
+        """x [T, D] -> [T, D] (summed over the heads of every attention-TP rank)"""
         T, H = x.shape[0], self.heads
+        if T == 0:  # an idle data-parallel rank (its TP peers idle too): nothing to attend, nothing to reduce
+            return x
         q_lora = None
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
@@ -195,35 +253,35 @@ class MLAttention(nn.Module):
         row = torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_pe], dim=-1)  # [T, 1, R + Dr]
         ops.reshape_and_cache(row, None, self.kv_cache, None, batch.slot_mapping[LATENT])
         absorbed = self.mode == "absorbed" or (self.mode == "auto" and batch.max_seqlen_q <= ABSORB_MAX_QUERIES)
-        idx = rows = cu_k = None
-        if self.indexer is not None:
-            idx, cu_k = self.indexer(x, q_lora, rope, batch)  # [T, k]
-        if self.indexer is not None or not absorbed:
-            rows, cu_k = gather_rows(self.kv_cache, batch.block_tables[LATENT], batch.seq_lens)  # [S, 1, R + Dr]
+        kept = self.indexer(x, q_lora, rope, batch) if self.indexer is not None else None  # [T, k] positions
         if absorbed:
             w_uk, w_uv = self.kv_b_proj.halves()  # [H, nope, R], [H, v, R]
             q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
             qa = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, R + Dr], one KV head: the cached row
-            if idx is not None:
-                o = ops.sparse_attention(qa, rows, rows, idx, self.scale)  # [T, H, R + Dr]
+            if kept is not None:
+                rows = self.kv_cache.flatten(0, 1)  # [N * block_size, 1, R + Dr], read by slot
+                o = ops.sparse_attention(qa, rows, rows, position_slots(batch, kept), self.scale)  # [T, H, R + Dr]
             else:
                 o = ops.paged_attention(qa, self.kv_cache, None, batch.block_tables[LATENT], batch.seq_lens,
                                         batch.cu_seqlens_q, self.scale, max_seqlen_q=batch.max_seqlen_q,
                                         max_seqlen_k=batch.max_seqlen_k)  # [T, H, R + Dr]
             o = torch.einsum("thr,hvr->thv", o[..., : self.rank], w_uv)  # [T, H, v]
         else:
+            rows, cu_k = gather_rows(self.kv_cache, batch.block_tables[LATENT], batch.seq_lens)  # [S, 1, R + Dr]
             k_nope, v = self.kv_b_proj.expand(rows[:, 0, : self.rank])  # [S, H, nope], [S, H, v]
             k = torch.cat([k_nope, rows[:, :, self.rank :].expand(-1, H, -1)], dim=-1)  # [S, H, nope + Dr]
             qf = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, nope + Dr]
-            if idx is not None:
+            if kept is not None:
+                start = cu_k[:-1].long()[batch.seq_ids]  # [T]
+                idx = torch.where(kept >= 0, kept + start[:, None], -1)  # [T, k] rows of the gathered keys
                 o = ops.sparse_attention(qf, k, v, idx, self.scale)  # [T, H, v]
             else:
                 o = ops.attention(qf, k, v, batch.cu_seqlens_q, cu_k, self.scale, causal=True)  # [T, H, v]
-        return self.o_proj(o.reshape(T, H * self.v_dim))  # [T, D]
+        return par.all_reduce(self.o_proj(o.reshape(T, H * self.v_dim)), self.tp_group)  # [T, D]
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up packed into one gate_up_proj [2I, D]."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up packed into one gate_up_proj [2I, D]. Replicated."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -245,101 +303,184 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """This rank's E routed experts, stacked: gate_up_proj [E, gate | up, D], down_proj [E, D, I]."""
+
+    def __init__(self, args: ModelArgs, E: int):
         super().__init__()
-        E, I, D = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))  # [E, gate | up, D]
+        I, D = args.moe_intermediate_size, args.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
 
 class MoE(nn.Module):
     """Routed experts (sigmoid scores; top num_experts_per_tok of the topk_group best of n_group groups, by
-    scores + bias; weights renormalised if norm_topk_prob, times routed_scaling_factor) plus the shared experts."""
+    scores + bias; weights renormalised if norm_topk_prob, times routed_scaling_factor) plus the shared experts;
+    the routed experts sharded over moe_ep (rank r holds experts [r * E/P, (r + 1) * E/P))."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, parallel: par.Parallel):
         super().__init__()
         self.args = args
+        self.ep_group, self.tp_group = parallel.group("moe_ep"), parallel.group("attn_tp")
+        self.ep_size, self.ep_rank = parallel.size("moe_ep"), parallel.rank_in("moe_ep")
+        self.tp_size, self.tp_rank = parallel.size("attn_tp"), parallel.rank_in("attn_tp")
         self.gate = Router(args)
-        self.experts = Experts(args)
+        self.experts = Experts(args, args.n_routed_experts // self.ep_size)
         shared = args.moe_intermediate_size * args.n_shared_experts
         self.shared_experts = MLP(args.hidden_size, shared) if shared else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> [T, D]"""
+    def forward(self, x: torch.Tensor, uniform: bool = False) -> torch.Tensor:
+        """x [T, D] (the same on every attention-TP rank) -> [T, D]. uniform: every rank runs T tokens (a
+        graph-mode step), so the expert dispatch exchanges fixed-capacity buffers (no split read on the host)."""
         a = self.args
-        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
-        weights, idx = ops.moe_gating_topk(logits, a.num_experts_per_tok, bias=self.gate.e_score_correction_bias,
-                                           score_func="sigmoid", group_count=a.n_group, k_group=a.topk_group,
-                                           renorm=a.norm_topk_prob, routed_scaling_factor=a.routed_scaling_factor)
-        xs, row_idx, counts = ops.moe_init_routing(x, idx, a.n_routed_experts)  # [T*k, D] sorted by expert
-        h = ops.swiglu(ops.grouped_matmul(xs, self.experts.gate_up_proj, counts))  # [T*k, I]
-        y = ops.grouped_matmul(h, self.experts.down_proj, counts)  # [T*k, D]
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return ops.moe_finalize_routing(y, weights, row_idx, shared)  # [T, D]
+        runs = x.tensor_split(self.tp_size)  # each attention-TP rank routes its share of the tokens
+        x_r = runs[self.tp_rank]  # [T_r, D]
+        logits = F.linear(x_r.float(), self.gate.weight.float())  # [T_r, E]
+        if x_r.shape[0]:
+            weights, idx = ops.moe_gating_topk(logits, a.num_experts_per_tok, bias=self.gate.e_score_correction_bias,
+                                               score_func="sigmoid", group_count=a.n_group, k_group=a.topk_group,
+                                               renorm=a.norm_topk_prob, routed_scaling_factor=a.routed_scaling_factor)
+        else:  # no token to route here (an idle DP rank, a TP share of none); the dispatch below still meets the others
+            weights = logits.new_zeros(0, a.num_experts_per_tok)  # [0, k]
+            idx = torch.zeros(0, a.num_experts_per_tok, dtype=torch.int32, device=x.device)
+        xs, row_idx, counts = ops.moe_init_routing(x_r, idx, a.n_routed_experts)  # [T_r*k, D] by global expert
+        capacity = runs[0].shape[0] * a.num_experts_per_tok if uniform else None  # the largest share's rows
+        xe, local_counts, handle = par.dispatch_to_experts(xs, counts, self.ep_group, capacity)  # [M, D]
+        h = ops.swiglu(ops.grouped_matmul(xe, self.experts.gate_up_proj, local_counts))  # [M, I]
+        y = par.combine_from_experts(ops.grouped_matmul(h, self.experts.down_proj, local_counts), handle,
+                                     self.ep_group)  # [T_r*k, D]
+        shared = self.shared_experts(x_r) if self.shared_experts is not None else None
+        out = ops.moe_finalize_routing(y, weights, row_idx, shared)  # [T_r, D]
+        return par.all_gather_v(out, [len(run) for run in runs], self.tp_group)  # [T, D]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, sparse_mlp: bool, parallel: par.Parallel):
         super().__init__()
-        self.self_attn = MLAttention(args)
-        sparse = args.mlp_layer_types[layer] == "sparse"
-        self.mlp = MoE(args) if sparse else MLP(args.hidden_size, args.intermediate_size)
+        self.self_attn = MLAttention(args, parallel)
+        self.mlp = MoE(args, parallel) if sparse_mlp else MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
         """x [T, D] -> [T, D]"""
         x = x + self.self_attn(self.input_layernorm(x), rope, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, batch.uniform_across_ranks) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class Backbone(nn.Module):
-    """`model.*`: embedding, decoder layers, final norm."""
+    """`model.*`: embedding (this rank's vocabulary rows), decoder layers, final norm."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, parallel: par.Parallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(args.vocab_size // parallel.size("embed_tp"), args.hidden_size)
+        par.shard(self.embed_tokens.weight, 0, parallel, "embed_tp")
+        self.layers = nn.ModuleList(DecoderLayer(args, args.mlp_layer_types[i] == "sparse", parallel)
+                                    for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class DeepseekV3(nn.Module):
-    """The causal LM over packed ForwardBatch inputs and the latent paged cache (common.engine's model contract)."""
+class SharedHead(nn.Module):
+    """`shared_head.*` of an MTP layer: its norm (its `head` is the main LM head, shared, and not read)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """The publisher's multi-token-prediction layer (`model.layers.{num_hidden_layers + i}.*`): a decoder layer
+    (MoE MLP) fed eh_proj([enorm(embedding of token t+1); hnorm(hidden at t)]); shared_head.norm, then the main LM
+    head, give the logits of token t+2. Its `embed_tokens` / `shared_head.head` are the main model's (shared)."""
+
+    def __init__(self, args: ModelArgs, rope: Rope, parallel: par.Parallel):
+        super().__init__(args, True, parallel)
+        D = args.hidden_size
+        self.enorm, self.hnorm = RMSNorm(D, args.rms_norm_eps), RMSNorm(D, args.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        self.shared_head = SharedHead(args)
+        self.rope = rope
+
+    def forward(self, streams: torch.Tensor, embeds: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """streams [T, 1, D] (the main model's final hidden states at positions t, or the previous draft's output),
+        embeds [T, D] (token t+1's) -> this layer's output [T, 1, D], before shared_head.norm. The embedding at
+        position 0 is zeroed (nothing precedes it to predict from), as upstream does."""
+        embeds = torch.where(batch.positions.unsqueeze(-1) == 0, 0, embeds)
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(streams[:, 0])], dim=-1))  # [T, D]
+        return super().forward(x, self.rope.tables(batch.positions), batch).unsqueeze(1)  # [T, 1, D]
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """[T, 1, D] -> the normed hidden state [T, D] for the shared head."""
+        return self.shared_head.norm(streams[:, 0])
+
+
+def check_layout(args: ModelArgs, layout: par.LLMParallelLayout) -> None:
+    """ValueError unless the layout splits this model evenly (checked before any rank starts, and by the model)."""
+    for size, name, what in ((layout.attn_tp, "attn_tp", {"attention heads": args.num_attention_heads}),
+                             (layout.moe_ep, "moe_ep", {"routed experts": args.n_routed_experts}),
+                             (layout.embed_tp, "embed_tp", {"vocabulary rows": args.vocab_size}),
+                             (layout.lmhead_tp, "lmhead_tp", {"vocabulary rows": args.vocab_size})):
+        for thing, n in what.items():
+            if n % size:
+                raise ValueError(f"{name}={size} does not divide the model's {n} {thing}")
+    if args.tie_word_embeddings and layout.embed_tp != layout.lmhead_tp:
+        raise ValueError(f"tie_word_embeddings: embed_tp={layout.embed_tp} and lmhead_tp={layout.lmhead_tp} must be "
+                         "equal (one tensor, one split)")
+
+
+class DeepseekV3(nn.Module):
+    """The causal LM over packed ForwardBatch inputs and the latent paged cache (common.engine's model contract);
+    with `mtp`, also its num_nextn_predict_layers MTP layers (`self.mtp`, for speculative decoding), which share the
+    embedding and the LM head."""
+
+    def __init__(self, args: ModelArgs, parallel: par.Parallel | None = None, mtp: bool = False):
+        super().__init__()
         self.args = args
-        self.model = Backbone(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.parallel = parallel = parallel or par.Parallel(par.LLMParallelLayout())
+        check_layout(args, parallel.layout)
+        self.embed_group, self.head_group = parallel.group("embed_tp"), parallel.group("lmhead_tp")
+        self.model = Backbone(args, parallel)
+        self.vocab_start = parallel.rank_in("embed_tp") * self.model.embed_tokens.num_embeddings
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size // parallel.size("lmhead_tp"), bias=False)
+        par.shard(self.lm_head.weight, 0, parallel, "lmhead_tp")
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = Rope(args)
+        k = args.num_nextn_predict_layers if mtp else 0
+        self.mtp = nn.ModuleList(MTPLayer(args, self.rope, parallel) for _ in range(k))
+
+    @property
+    def embed(self) -> nn.Embedding:
+        """The (vocabulary-parallel) token embedding: the speculative-decoding contract's name for it."""
+        return self.model.embed_tokens
+
+    def attention_layers(self) -> list[MLAttention]:
+        return [layer.self_attn for layer in [*self.model.layers, *self.mtp]]
 
     def set_attention_mode(self, mode: str) -> None:
         """"auto", "absorbed" or "expanded" for every layer (the paths are equal; tests compare them)."""
         if mode not in ("auto", "absorbed", "expanded"):
             raise ValueError(f"attention mode {mode!r}: expected auto, absorbed or expanded")
-        for layer in self.model.layers:
-            layer.self_attn.mode = mode
+        for attn in self.attention_layers():
+            attn.mode = mode
 
     def cache_specs(self, block_size: int) -> list[CacheGroupSpec]:
-        """One full-attention token group: every layer's latent rows (and V3.2's indexer keys)."""
+        """One full-attention token group: every layer's latent rows (and V3.2's indexer keys), MTP layers too."""
         return [CacheGroupSpec(LATENT, block_size)]
 
     def allocate_caches(self, num_blocks: dict[str, int], block_size: int, dtype=None):
         a, n = self.args, num_blocks[LATENT]
-        like = dict(dtype=dtype or self.model.embed_tokens.weight.dtype, device=self.model.embed_tokens.weight.device)
-        for layer in self.model.layers:
-            attn = layer.self_attn
+        like = dict(dtype=dtype or self.embed.weight.dtype, device=self.embed.weight.device)
+        for attn in self.attention_layers():
             attn.kv_cache = torch.zeros(n, block_size, 1, a.kv_lora_rank + a.qk_rope_head_dim, **like)
             if attn.indexer is not None:
                 attn.indexer.k_cache = torch.zeros(n, block_size, 1, a.index_head_dim, **like)
 
     def cache_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Every allocated cache tensor, [num_blocks, ...] each, in a fixed order."""
+        """Every allocated cache tensor, [num_blocks, ...] each (block i at i * its block bytes), in a fixed order:
+        what PD's KV transfer registers and copies block by block."""
         tensors = []
-        for layer in self.model.layers:
-            attn = layer.self_attn
+        for attn in self.attention_layers():
             tensors += [attn.kv_cache] + ([attn.indexer.k_cache] if attn.indexer is not None else [])
         return {LATENT: tensors}
 
@@ -348,25 +489,37 @@ class DeepseekV3(nn.Module):
         self.allocate_caches({LATENT: 1}, block_size)
         return {LATENT: sum(t.nbytes for t in self.cache_tensors()[LATENT])}
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> final hidden states [T, D] (feed the rows you need to `compute_logits`)."""
-        x = self.model.embed_tokens(batch.input_ids)  # [T, D]
-        if x.shape[0] == 0:
-            return x
+    def embed_tokens(self, input_ids: torch.Tensor, uniform: bool = False) -> torch.Tensor:
+        """[T] -> [T, D]; uniform: every rank embeds T tokens (a graph-mode step: no sizes exchanged)."""
+        return par.vocab_parallel_embedding(input_ids, self.model.embed_tokens, self.vocab_start, self.embed_group,
+                                            uniform)  # [T, D]
+
+    def residual_streams(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final normed hidden states as one stream [T, 1, D]: what the MTP layer reads (the speculative-
+        decoding contract's [T, n, D], n = 1: no hyper-connections)."""
+        x = self.embed_tokens(batch.input_ids, batch.uniform_across_ranks)  # [T, D]
         rope = self.rope.tables(batch.positions)
         for layer in self.model.layers:
             x = layer(x, rope, batch)  # [T, D]
-        return self.model.norm(x)
+        return self.model.norm(x).unsqueeze(1)  # [T, 1, D]
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """[T, 1, D] -> [T, D] for the LM head."""
+        return streams[:, 0]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> final hidden states [T, D] (feed the rows you need to `compute_logits`)."""
+        return self.final_hidden(self.residual_streams(batch))
 
     def compute_logits(self, hidden: torch.Tensor, uniform: bool = False) -> torch.Tensor:
-        """[N, D] -> [N, V] fp32."""
-        return self.lm_head(hidden).float()
+        """[N, D] -> [N, V] fp32; uniform: every rank scores N rows (a graph-mode step)."""
+        return par.vocab_parallel_logits(hidden, self.lm_head, self.head_group, uniform).float()  # [N, V]
 
 
 @torch.no_grad()
 def prefill_logits(model: DeepseekV3, prompts: list[list[int]], block_size: int = 16) -> torch.Tensor:
     """Logits of every prompt position [T, V]: the whole prompts in one step over fresh contiguous caches."""
     groups = [g.name for g in model.cache_specs(block_size)]
-    batch, num_blocks = ForwardBatch.prefill(prompts, groups, block_size, model.model.embed_tokens.weight.device)
+    batch, num_blocks = ForwardBatch.prefill(prompts, groups, block_size, model.embed.weight.device)
     model.allocate_caches(dict.fromkeys(groups, num_blocks), block_size)
     return model.compute_logits(model(batch))

@@ -4,7 +4,9 @@ Same layout as the published DeepSeek-V3 / R1: HF config.json with quantization_
 and per-expert `mlp.experts.N.*` names, FP8 e4m3 linears with a `weight_scale_inv` per 128 x 128 block, router /
 norms / embedding / head in bf16 or fp32, and the recipe's tokenizer with the DeepSeek chat template. 4 layers
 (1 dense), 16 experts in 4 groups (top-2 within the 2 best groups; groups of 4: the NPU router op needs more than
-2 experts a group), kv_lora_rank 32, rope dim 16, YaRN with mscale.
+2 experts a group), kv_lora_rank 32, rope dim 16, YaRN with mscale. With num_nextn_predict_layers (default 1, as
+published) the MTP layer is `model.layers.4.*` (enorm, hnorm, eh_proj, a MoE decoder layer, shared_head.norm, and
+its copies of the embedding and head as `embed_tokens` / `shared_head.head`).
 
     python recipes/deepseek/tiny_deepseek_v3.py weights/deepseek-v3-tiny [--variant v32|kimi] [--no-quant]
 """
@@ -31,7 +33,7 @@ TINY_CONFIG = dict(
     routed_scaling_factor=2.5, hidden_act="silu", max_position_embeddings=512, rope_theta=10000.0,
     rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
-    rms_norm_eps=1e-6, attention_bias=False, num_nextn_predict_layers=0, bos_token_id=0, eos_token_id=1,
+    rms_norm_eps=1e-6, attention_bias=False, num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1,
     tie_word_embeddings=False, torch_dtype="bfloat16",
     quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                          "weight_block_size": [128, 128]},
@@ -65,7 +67,9 @@ def random_state(args: ModelArgs, seed: int, head_scale: float = 4.0) -> dict[st
     so greedy choices are clear (not near-ties)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for name, t in DeepseekV3(args).state_dict().items():
+    L = args.num_hidden_layers
+    for name, t in DeepseekV3(args, mtp=True).state_dict().items():  # the MTP layers last: the main weights
+        #   do not depend on num_nextn_predict_layers
         if t.dim() == 1 and "norm" in name and name.endswith(".weight"):
             v = 1 + 0.1 * torch.randn(t.shape, generator=g)
         elif t.dim() == 1:
@@ -74,6 +78,12 @@ def random_state(args: ModelArgs, seed: int, head_scale: float = 4.0) -> dict[st
             v = torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5
         out[name] = v.float()
     out["lm_head.weight"] *= head_scale
+    for name in [n for n in out if n.startswith("mtp.")]:  # the publisher's names: the layers after the main ones
+        _, i, rest = name.split(".", 2)
+        out[f"model.layers.{L + int(i)}.{rest}"] = out.pop(name)
+    for i in range(args.num_nextn_predict_layers):
+        out[f"model.layers.{L + i}.embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
+        out[f"model.layers.{L + i}.shared_head.head.weight"] = out["lm_head.weight"].clone()
     for name in [n for n in out if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
         stacked, base = out.pop(name), name.rsplit(".", 1)[0]
         for e, w in enumerate(stacked):
@@ -100,6 +110,17 @@ def quantize(state: dict[str, torch.Tensor], fp8: bool = True) -> dict[str, torc
     return out
 
 
+TINY_REVISION = 1  # bumped when the writer changes what it writes
+REVISION_FILE = "tiny_revision.txt"
+
+
+def is_current(path) -> bool:
+    """Whether `path` holds a tiny checkpoint written by this revision of the writer."""
+    marker = Path(path) / REVISION_FILE
+    current = marker.exists() and marker.read_text().strip() == str(TINY_REVISION)
+    return (Path(path) / "config.json").exists() and current
+
+
 def write_tiny_checkpoint(path, variant: str = "v3", seed: int = 0, quantized: bool | str = True,
                           max_shard_bytes: int | None = 256 * 1024, **overrides) -> Path:
     """Write config.json, safetensors shards (+ index) and the tokenizer into `path`; returns the path.
@@ -114,6 +135,7 @@ def write_tiny_checkpoint(path, variant: str = "v3", seed: int = 0, quantized: b
         state = quantize(state, fp8=quantized is True)
     save_checkpoint(path, state, config, max_shard_bytes=max_shard_bytes)
     write_tokenizer(path, vocab_size=args.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE)
+    (path / REVISION_FILE).write_text(f"{TINY_REVISION}\n")
     return path
 
 

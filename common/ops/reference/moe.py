@@ -39,7 +39,7 @@ def moe_gating_topk(
     else:
         biased = scores if bias is None else scores + bias.float()  # [T, E]
         if group_count > 1:
-            grouped = biased.view(biased.shape[0], group_count, -1)  # [T, G, E/G]
+            grouped = biased.view(biased.shape[0], group_count, biased.shape[1] // group_count)  # [T, G, E/G]
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(k_group, dim=-1).indices, True)  # [T, G]

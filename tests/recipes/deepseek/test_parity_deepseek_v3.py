@@ -247,3 +247,54 @@ def test_prefix_cache_hit_equals_miss(checkpoints):
     warm = llm.generate([second], params, use_tqdm=False)[0]
     assert warm.num_cached_tokens == 32 and cold.num_cached_tokens == 0
     assert warm.token_ids == cold.token_ids
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_mtp_layer_equals_a_transformers_decoder_layer_on_its_inputs(checkpoints):
+    """The MTP layer (`model.layers.4`) over a prompt: its input eh_proj([enorm(embedding of t+1); hnorm(the main
+    model's final normed hidden at t)]) (embedding zeroed at position 0), written out here from the published
+    rule, then a one-layer transformers DeepseekV3Model (a MoE layer) holding the layer's tensors, with
+    shared_head.norm as its final norm, then the main LM head: the recipe's draft logits equal that, fp32 1e-4."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Model
+
+    from common.engine.forward_batch import ForwardBatch
+    _, paths = checkpoints
+    path, reference = paths["v3"]
+    ckpt, cfg = Checkpoint(path), json.loads((path / "config.json").read_text())
+    L, eps = cfg["num_hidden_layers"], cfg["rms_norm_eps"]
+    get = lambda name: ckpt.get(f"model.layers.{L}.{name}", torch.float32)  # noqa: E731
+    layer_cfg = DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "model_type"} | dict(
+        num_hidden_layers=1, first_k_dense_replace=0))
+    one = DeepseekV3Model(layer_cfg).eval()
+    state = {"embed_tokens.weight": ckpt.get("model.embed_tokens.weight", torch.float32), "norm.weight":
+             get("shared_head.norm.weight")}
+    for name in one.state_dict():
+        if name.startswith("layers.0.") and ".experts." not in name:
+            state[name] = get(name.removeprefix("layers.0."))
+    E = cfg["n_routed_experts"]
+    state["layers.0.mlp.experts.gate_up_proj"] = torch.stack(  # [E, gate | up, D]
+        [torch.cat([get(f"mlp.experts.{e}.{w}_proj.weight") for w in ("gate", "up")]) for e in range(E)])
+    state["layers.0.mlp.experts.down_proj"] = torch.stack([get(f"mlp.experts.{e}.down_proj.weight") for e in range(E)])
+    one.load_state_dict(state)
+
+    ids = _prompts(cfg["vocab_size"], (21,), seed=7)[0]
+    with torch.no_grad():
+        hidden = reference.model(torch.tensor([ids[:-1]])).last_hidden_state[0]  # [n, D] normed, positions 0..n-1
+        embeds = reference.model.embed_tokens(torch.tensor(ids[1:]))  # [n, D] the next tokens'
+        embeds[0] = 0
+        x = torch.cat([_rms(embeds, get("enorm.weight"), eps), _rms(hidden, get("hnorm.weight"), eps)], -1)
+        x = x @ get("eh_proj.weight").T  # [n, D]
+        expected = one(inputs_embeds=x[None]).last_hidden_state[0] @ reference.lm_head.weight.T  # [n, V]
+
+        model = load_model(path, dtype=torch.float32, mtp=True)
+        groups = [g.name for g in model.cache_specs(16)]
+        main, num_blocks = ForwardBatch.prefill([ids[:-1]], groups, 16)
+        draft, _ = ForwardBatch.prefill([ids[1:]], groups, 16)  # the same positions and blocks
+        model.allocate_caches(dict.fromkeys(groups, num_blocks), 16)
+        streams = model.residual_streams(main)  # [n, 1, D]
+        mtp = model.mtp[0]
+        got = model.compute_logits(mtp.final_hidden(mtp(streams, model.embed_tokens(draft.input_ids), draft)))
+    assert (got - expected).abs().max().item() < 1e-4
