@@ -51,7 +51,9 @@ class ModelRunner:
     """The model must provide: cache_specs(block_size) -> [CacheGroupSpec], cache_bytes_per_block(block_size),
     allocate_caches(num_blocks: {group: n}, block_size), forward(ForwardBatch) -> hidden [T, D] and
     compute_logits(hidden [N, D], uniform=False) -> [N, V] (uniform: every rank scores N rows, a graph-mode
-    step); for PD disaggregation and graph mode also cache_tensors() -> {group: [tensors [num_blocks, ...]]}."""
+    step); for PD disaggregation and graph mode also cache_tensors() -> {group: [tensors [num_blocks, ...]]}.
+    Optional: finish_prefill(rows), called after a step's forward with the rows of its batch (indices into the
+    scheduled requests) whose prompt prefill ended in it (MoE offload's dynamic expert placement)."""
 
     def __init__(self, model, config: EngineConfig, num_blocks: dict[str, int], keep_streams: bool = False):
         self.model, self.config, self.keep_streams = model, config, keep_streams
@@ -82,6 +84,14 @@ class ModelRunner:
         """Forward the scheduled tokens; logits for the rows that sample and for the prompt positions scored."""
         new_tokens = [s.request.all_token_ids[s.start : s.end - len(s.draft_token_ids)] + s.draft_token_ids
                       for s in scheduled]
+        output = self._execute(scheduled, new_tokens, block_tables)
+        prefilled = [b for b, s in enumerate(scheduled) if s.sample and s.start < s.request.num_prompt_tokens]
+        if prefilled and (finish_prefill := getattr(self.model, "finish_prefill", None)) is not None:
+            finish_prefill(prefilled)
+        return output
+
+    def _execute(self, scheduled: list[ScheduledRequest], new_tokens: list[list[int]],
+                 block_tables: list[dict[str, list[int]]]) -> ModelRunnerOutput:
         if self.graphs is not None:
             fits = self.graphs.fits([s.num_new_tokens for s in scheduled]) and not any(
                 s.prompt_logprob_positions for s in scheduled)

@@ -17,10 +17,11 @@ from common import parallel as par
 from common.engine import EngineConfig
 from common.engine.config import EXE_MODES
 from common.loader import Checkpoint, CheckpointError
+from common.offload import HOST_BACKENDS, PLACEMENTS, MoEOffloadConfig
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import check_layout
-from tiny_deepseek_v4 import write_tiny_checkpoint
-from weights_deepseek_v4 import load_model
+from tiny_deepseek_v4 import is_current, write_tiny_checkpoint
+from weights_deepseek_v4 import check_fits, load_model
 
 HERE = Path(__file__).resolve().parent
 TINY = HERE.parents[1] / "weights" / "deepseek-v4-tiny"
@@ -42,6 +43,13 @@ def add_model_args(p: ArgumentParser) -> None:
                    "step (overrides the preset's speculative.num_speculative_tokens; 0: off)")
     p.add_argument("--exe-mode", choices=EXE_MODES, help="graph: decode steps as graphs compiled per batch size at "
                    "start-up (overrides the preset's exe_mode; default eager)")
+    g = p.add_argument_group("MoE offload (overrides the preset's moe_offload)")
+    g.add_argument("--offload-experts", type=int, metavar="N", help="N resident experts per MoE layer on the "
+                   "device, the others computed on the host CPU in MXFP4 (one process)")
+    g.add_argument("--placement", choices=PLACEMENTS, help="which experts are resident (default prefix)")
+    g.add_argument("--frequency-file", type=Path, metavar="PATH", help="routing counts (generate.py "
+                   "--record-routing) for placement frequency, or dynamic's start")
+    g.add_argument("--host-backend", choices=HOST_BACKENDS, help="torch (exact, default) or kt (kt-kernel)")
 
 
 def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
@@ -64,12 +72,19 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     a.exe_mode = a.exe_mode or a.preset.get("exe_mode", "eager")  # --exe-mode > the preset's > eager
     if a.exe_mode not in EXE_MODES:
         p.error(f"--config {a.config.name}: exe_mode {a.exe_mode!r}, expected one of {list(EXE_MODES)}")
+    a.offload = moe_offload(p, a)
+    if a.offload is not None and a.exe_mode == "graph":
+        p.error("MoE offload runs eager: the host experts' call is not capturable in a decode graph (use "
+                "--exe-mode eager)")
+    if a.offload is not None and a.layout.world_size > 1:
+        p.error(f"MoE offload runs on one process (moe_ep 1); --config {a.config.name} has "
+                f"{a.layout.world_size} ranks (moe_ep {a.layout.moe_ep}): use --serve --dp N for replicas")
     try:
         EngineConfig.from_kwargs(**(a.preset.get("engine") or {}))  # checked before any rank starts
     except (ValueError, TypeError) as e:
         p.error(f"--config {a.config.name}: {e}")
     if a.layout.world_size > 1 and "WORLD_SIZE" not in os.environ:
-        if a.weights is None and not (TINY / "config.json").exists():
+        if a.weights is None and not is_current(TINY):
             write_tiny_checkpoint(TINY)  # once, before the ranks start
         try:
             check_layout(ModelArgs.from_config(Checkpoint(a.weights or TINY).config), a.layout)
@@ -92,6 +107,27 @@ def speculative_tokens(p: ArgumentParser, a: argparse.Namespace) -> int:
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 7:
         p.error(f"speculative tokens must be an int in [0, 7], got {k!r}")
     return k
+
+
+def moe_offload(p: ArgumentParser, a: argparse.Namespace) -> MoEOffloadConfig | None:
+    """The preset's `moe_offload: {resident_experts: N, placement, frequency_file, host_backend}` with the flags
+    over it (--offload-experts N alone turns it on); None: every expert resident."""
+    spec = a.preset.get("moe_offload")
+    if spec is not None and not isinstance(spec, dict):
+        p.error(f"--config {a.config.name}: moe_offload must be a mapping, got {spec!r}")
+    spec = dict(spec or {})
+    flags = {"resident_experts": a.offload_experts, "placement": a.placement, "host_backend": a.host_backend,
+             "frequency_file": None if a.frequency_file is None else str(a.frequency_file)}
+    given = {k: v for k, v in flags.items() if v is not None}
+    if not spec and not given:
+        return None
+    if not spec and "resident_experts" not in given:
+        p.error(f"--{next(iter(given)).replace('_', '-')} needs --offload-experts N (or a preset's moe_offload)")
+    spec.update(given)
+    try:
+        return MoEOffloadConfig.from_dict(spec)
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
 
 
 def read_preset(p: ArgumentParser, a: argparse.Namespace) -> None:
@@ -176,9 +212,7 @@ def load(a: argparse.Namespace):
     the ranks of a multi-rank preset (this rank's slice of the model). Exits with a one-line message and code 2
     for a missing / corrupt checkpoint or a bad preset."""
     path = a.weights or TINY
-    stale = a.speculative_tokens and (TINY / "config.json").exists() \
-        and not Checkpoint(TINY).config.get("num_nextn_predict_layers")  # written before the tiny MTP layer
-    if a.weights is None and (stale or not (TINY / "config.json").exists()):
+    if a.weights is None and not is_current(TINY):  # missing, or written by an older revision of the writer
         write_tiny_checkpoint(TINY)
     try:
         config, rest = EngineConfig.from_kwargs(**(a.preset.get("engine") or {}))
@@ -186,7 +220,11 @@ def load(a: argparse.Namespace):
             raise ValueError(f"unknown engine settings in {a.config.name}: {sorted(rest)}")
         config = dataclasses.replace(config, num_speculative_tokens=a.speculative_tokens, exe_mode=a.exe_mode)
         parallel = par.init_parallel(a.layout) if a.layout.world_size > 1 else None
-        model = load_model(path, a.dtype, backend.device(), parallel=parallel, mtp=a.speculative_tokens > 0)
+        mtp, slots = a.speculative_tokens > 0, a.offload and a.offload.resident_experts
+        if a.layout.world_size == 1:  # refused here, with the arithmetic, rather than killed for memory later
+            check_fits(ModelArgs.from_config(Checkpoint(path).config), a.dtype, backend.device(), mtp, slots)
+        model = load_model(path, a.dtype, backend.device(), parallel=parallel, mtp=mtp, offload=a.offload,
+                           max_tokens=config.max_num_batched_tokens)
         return model, AutoTokenizer.from_pretrained(path), config
     except (CheckpointError, ValueError, TypeError, OSError) as e:
         fail(e)

@@ -2,6 +2,8 @@
 
     python generate.py [--weights DIR] [--config configs/X.yaml] [--prompts FILE] [--max-tokens N]
                        [--temperature T] [--top-p P] [--top-k K] [--seed S] [--speculative-tokens K]
+                       [--offload-experts N [--placement prefix|frequency|dynamic] [--frequency-file PATH]
+                        [--host-backend torch|kt]] [--record-routing PATH]
 
 With no --weights, a tiny random checkpoint in the publisher's format is written to weights/deepseek-v4-tiny
 (once) and used. Each prompt line goes through the tokenizer's chat template.
@@ -14,6 +16,7 @@ from pathlib import Path
 from common import backend
 from common import parallel as par
 from common.engine import LLM, SamplingParams
+from common.offload import RoutingCounter
 from cli_deepseek import HERE, ArgumentParser, add_model_args, check_model_args, fail, load
 from encoding_deepseek_v4 import encode_messages
 
@@ -27,7 +30,11 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int)
+    p.add_argument("--record-routing", type=Path, metavar="PATH", help="write the run's routing counts per MoE "
+                   "layer (the --frequency-file of placement frequency)")
     a = p.parse_args(argv)
+    if a.record_routing is not None and not a.record_routing.resolve().parent.is_dir():
+        p.error(f"--record-routing {a.record_routing}: no such directory {a.record_routing.resolve().parent}")
     if a.max_tokens < 1:  # offline runs generate; scoring a prompt alone is the server's echo
         p.error(f"max_tokens must be >= 1, got {a.max_tokens}")
     if not a.prompts.is_file():
@@ -50,6 +57,8 @@ def main(argv=None) -> int:
         fail(e)
     prompts = [line.strip() for line in a.prompts.read_text().splitlines() if line.strip()]
     texts = [encode_messages([{"role": "user", "content": p}]) for p in prompts]
+    counter = RoutingCounter(model.args.n_routed_experts) if a.record_routing is not None else None
+    model.record_routing(counter)
     backend.reset_peak_memory()
     outputs = llm.generate(texts, a.sampling)
     engine = llm.engine
@@ -70,7 +79,13 @@ def main(argv=None) -> int:
           + (f" mtp_drafts={s.num_draft_tokens} acceptance={s.acceptance_rate:.2f} "
              f"mean_accepted_length={s.mean_accepted_length:.2f}" if engine.config.num_speculative_tokens else "")
           + (f" exe_mode=graph graph_steps={sum(graphs.replays.values())} compile_s={graphs.capture_seconds:.1f}"
-             if (graphs := engine.runner.graphs) is not None else ""))
+             if (graphs := engine.runner.graphs) is not None else "")
+          + (f" offload={off.num_slots}/{model.args.n_routed_experts} placement={a.offload.placement} "
+             f"host={a.offload.host_backend} resident_hit_rate={off.hit_rate():.2f} swaps={off.swaps}"
+             if (off := model.offload) is not None else ""))
+    if counter is not None:
+        counter.save(a.record_routing)
+        print(f"routing counts of {len(counter.counts)} MoE layers written to {a.record_routing}")
     return 0
 
 

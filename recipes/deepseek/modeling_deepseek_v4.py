@@ -12,6 +12,10 @@ ranks owning their experts and combined back; under attention TP each TP rank ro
 the shared expert, router and mHC are replicated; embedding and LM head are vocabulary parallel over `embed_tp` /
 `lmhead_tp`. Each parameter that is a slice carries `.shard`, which the loader reads. One process: every group
 is None and every collective returns its input.
+
+MoE offload (one process, `offload_slots` N): every MoE layer (hash-routed and MTP ones too) holds N resident
+expert slots, so shapes stay fixed whatever is resident; the routed pairs of the other experts are computed on the
+host (common.offload), submitted before the resident and shared experts run and added after them.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import ops
+from common import cpu_gemm, ops
 from common import parallel as par
 from common.engine.forward_batch import ForwardBatch
 from common.kv_cache import CacheGroupSpec
@@ -129,6 +133,21 @@ class Experts(nn.Module):
             self.register_buffer(name, torch.zeros(E, n, k // packed, dtype=torch.int8))
             scale = (E, n, k // self.group_size) if self.group_size else (E, n)
             self.register_buffer(f"{name}_scale", torch.ones(*scale, dtype=torch.float32))
+
+    @torch.no_grad()
+    def set_slot(self, slot: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Put one expert's float weights w13 [2I, D] and w2 [D, I] into `slot` (MoE offload's resident set
+        changing), in place: dense, or repacked where common.cpu_gemm packed the stack."""
+        if self.w13_scale is not None:
+            raise ValueError("resident slots take float experts, not a quantized checkpoint's")
+        for name, w in (("w13", w13), ("w2", w2)):
+            target = getattr(self, name)
+            if list(w.shape) != list(target.shape[1:]):
+                raise ValueError(f"{name} {list(w.shape)} does not fit a slot of {list(target.shape)}")
+            if isinstance(target, cpu_gemm.PackedExperts):
+                target.experts[slot] = cpu_gemm.pack(w.to(target.dtype))
+            else:
+                target[slot].copy_(w)
 
     def matmul(self, x: torch.Tensor, which: str, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [M, K] sorted by expert -> [M, N] through w13 or w2."""
@@ -342,23 +361,34 @@ class Gate(nn.Module):
 
 class MoE(nn.Module):
     """Routed experts (top-k by scores + bias, or hash routing by token id) plus one shared expert; the routed
-    experts sharded over moe_ep (this rank, ep_rank, holds experts [ep_rank * E/P, + E/P))."""
+    experts sharded over moe_ep (this rank, ep_rank, holds experts [ep_rank * E/P, + E/P)).
 
-    def __init__(self, args: ModelArgs, layer: int, parallel: par.Parallel):
+    MoE offload (num_slots N, one process): `experts` holds N resident slots; `offload` (a common.offload
+    ExpertOffload, set by the loader) maps each routed pair to its slot or to the host, which computes the
+    others. `routing_counter` (a common.offload RoutingCounter, optional) counts the router's choices."""
+
+    def __init__(self, args: ModelArgs, layer: int, parallel: par.Parallel, num_slots: int | None = None):
         super().__init__()
         self.ep_group, self.tp_group = parallel.group("moe_ep"), parallel.group("attn_tp")
         self.ep_size, self.ep_rank = parallel.size("moe_ep"), parallel.rank_in("moe_ep")
         self.tp_size, self.tp_rank = parallel.size("attn_tp"), parallel.rank_in("attn_tp")
-        E = args.n_routed_experts // self.ep_size
+        if num_slots is not None and parallel.layout.world_size != 1:
+            raise ValueError("MoE offload runs on one process (moe_ep 1)")
+        E = num_slots or args.n_routed_experts // self.ep_size
+        self.layer = layer
         self.hash = args.mlp_layer_types[layer] == "hash_moe"
         self.args = args
         self.gate = Gate(args, self.hash)
-        self.experts = Experts(args, E)  # this rank's E/P
+        self.experts = Experts(args, E)  # this rank's E/P, or the N resident slots
         self.shared_experts = SharedExpert(args) if args.n_shared_experts else None
+        self.offload = None  # common.offload.ExpertOffload, with num_slots
+        self.routing_counter = None  # common.offload.RoutingCounter, to write a routing-count file
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, uniform: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, uniform: bool = False,
+                seq_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] (the same on every attention-TP rank) -> [T, D]. uniform: every rank runs T tokens (a
-        graph-mode step), so the expert dispatch exchanges fixed-capacity buffers (no split read on the host)."""
+        graph-mode step), so the expert dispatch exchanges fixed-capacity buffers (no split read on the host).
+        seq_ids [T]: each token's sequence in the batch (what dynamic expert placement counts by)."""
         a = self.args
         runs = x.tensor_split(self.tp_size)  # each attention-TP rank routes its share of the tokens
         x_r, ids_r = runs[self.tp_rank], input_ids.tensor_split(self.tp_size)[self.tp_rank]  # [T_r, D], [T_r]
@@ -368,6 +398,10 @@ class MoE(nn.Module):
             renorm=a.norm_topk_prob, routed_scaling_factor=a.routed_scaling_factor,
             tid2eid=self.gate.tid2eid if self.hash else None, input_ids=ids_r if self.hash else None,
         )  # [T_r, k], [T_r, k]
+        if self.routing_counter is not None:
+            self.routing_counter.add(self.layer, idx)
+        if self.offload is not None:
+            return self._forward_offloaded(x_r, weights, idx, seq_ids)
         xs, row_idx, counts = ops.moe_init_routing(x_r, idx, a.n_routed_experts)  # [T_r*k, D] by global expert
         capacity = runs[0].shape[0] * a.num_experts_per_tok if uniform else None  # the largest share's rows: every
         #   rank's (tensor_split gives the first ranks one more token when T is not a multiple of attn_tp)
@@ -377,6 +411,19 @@ class MoE(nn.Module):
         shared = self.shared_experts(x_r) if self.shared_experts is not None else None
         out = ops.moe_finalize_routing(y, weights, row_idx, shared)  # [T_r, D]
         return par.all_gather_v(out, [len(run) for run in runs], self.tp_group)  # [T, D]
+
+    def _forward_offloaded(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                           seq_ids: torch.Tensor | None) -> torch.Tensor:
+        """x [T, D], the router's weights / idx [T, k] -> [T, D]: the host experts submitted first, then the
+        resident slots and the shared expert here, then the host's partial sum added."""
+        a = self.args
+        slots, slot_weights, handle = self.offload.route(self.layer, x, idx, weights, seq_ids)  # [T, k] x2
+        xs, row_idx, counts = ops.moe_init_routing(x, slots, self.offload.num_slots)  # [T*k, D] by slot
+        h = ops.swiglu(self.experts.matmul(xs, "w13", counts), a.swiglu_limit)  # [T*k, I]
+        y = self.experts.matmul(h, "w2", counts)  # [T*k, D]; host pairs: slot 0 times weight 0
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        out = ops.moe_finalize_routing(y, slot_weights, row_idx, shared)  # [T, D]
+        return out + self.offload.host.sync(handle)  # [T, D]
 
 
 class SharedExpert(nn.Module):
@@ -415,12 +462,13 @@ def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, ropes: dict[str, Rope], parallel: par.Parallel):
+    def __init__(self, args: ModelArgs, layer: int, ropes: dict[str, Rope], parallel: par.Parallel,
+                 num_slots: int | None = None):
         super().__init__()
         n = args.hc_mult
         self.args = args
         self.attn = Attention(args, layer, ropes, parallel)
-        self.ffn = MoE(args, layer, parallel)
+        self.ffn = MoE(args, layer, parallel, num_slots)
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         for site in ("attn", "ffn"):
@@ -438,7 +486,8 @@ class Block(nn.Module):
         h, post, comb = self._hc("attn", x)
         x = hc_post(self.attn(self.attn_norm(h), batch), x, post, comb)
         h, post, comb = self._hc("ffn", x)
-        return hc_post(self.ffn(self.ffn_norm(h), batch.input_ids, batch.uniform_across_ranks), x, post, comb)
+        out = self.ffn(self.ffn_norm(h), batch.input_ids, batch.uniform_across_ranks, batch.seq_ids)
+        return hc_post(out, x, post, comb)
 
 
 def hc_head(x: torch.Tensor, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
@@ -463,9 +512,10 @@ class MTPBlock(Block):
     token)), where `streams` [T, n, D] are the main model's (or the previous draft's) last residual streams,
     before their hc_head; its own hc_head and `norm` then give the hidden state for the shared LM head."""
 
-    def __init__(self, args: ModelArgs, index: int, ropes: dict[str, Rope], parallel: par.Parallel):
+    def __init__(self, args: ModelArgs, index: int, ropes: dict[str, Rope], parallel: par.Parallel,
+                 num_slots: int | None = None):
         margs = mtp_args(args)
-        super().__init__(margs, args.num_hidden_layers + index, ropes, parallel)
+        super().__init__(margs, args.num_hidden_layers + index, ropes, parallel, num_slots)
         n, D = args.hc_mult, args.hidden_size
         self.e_proj = nn.Linear(D, D, bias=False)
         self.h_proj = nn.Linear(D, D, bias=False)
@@ -500,22 +550,40 @@ def check_layout(args: ModelArgs, layout: par.LLMParallelLayout) -> None:
                 raise ValueError(f"{name}={size} does not divide the model's {n} {thing}")
 
 
+def check_offload(args: ModelArgs, layout: par.LLMParallelLayout, num_slots: int) -> None:
+    """ValueError unless MoE offload with num_slots resident experts per layer can run this model and layout."""
+    if layout.world_size != 1:
+        raise ValueError(f"MoE offload runs on one process (moe_ep 1); this layout has {layout.world_size} ranks "
+                         f"(moe_ep {layout.moe_ep}): serve more replicas with --serve --dp N instead")
+    if not 1 <= num_slots <= args.n_routed_experts:
+        raise ValueError(f"resident experts per layer must be in 1..{args.n_routed_experts} (the model's routed "
+                         f"experts), got {num_slots}")
+    if args.quant_format is not None:
+        raise ValueError(f"MoE offload reads the publisher's MXFP4 experts; this checkpoint is {args.quant_format}")
+
+
 class DeepseekV4(nn.Module):
     """The main model; with `mtp`, also its num_nextn_predict_layers MTP blocks (`self.mtp`, for speculative
-    decoding), which share the embedding and the LM head."""
+    decoding), which share the embedding and the LM head. offload_slots N: MoE offload, N resident experts per
+    MoE layer (the MTP blocks' too), the rest on the host (`self.offload`, set by the loader)."""
 
-    def __init__(self, args: ModelArgs, parallel: par.Parallel | None = None, mtp: bool = False):
+    def __init__(self, args: ModelArgs, parallel: par.Parallel | None = None, mtp: bool = False,
+                 offload_slots: int | None = None):
         super().__init__()
         self.args = args
         self.parallel = parallel = parallel or par.Parallel(par.LLMParallelLayout())
         check_layout(args, parallel.layout)
+        if offload_slots is not None:
+            check_offload(args, parallel.layout, offload_slots)
+        self.offload = None  # common.offload.ExpertOffload
         self.embed_group, self.head_group = parallel.group("embed_tp"), parallel.group("lmhead_tp")
         n, D = args.hc_mult, args.hidden_size
         ropes = make_ropes(args)
         self.embed = nn.Embedding(args.vocab_size // parallel.size("embed_tp"), D)  # this rank's rows
         self.vocab_start = parallel.rank_in("embed_tp") * self.embed.num_embeddings
         par.shard(self.embed.weight, 0, parallel, "embed_tp")
-        self.layers = nn.ModuleList(Block(args, i, ropes, parallel) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(args, i, ropes, parallel, offload_slots)
+                                    for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(D, args.rms_norm_eps)
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * D, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
@@ -523,7 +591,23 @@ class DeepseekV4(nn.Module):
         self.head = nn.Linear(D, args.vocab_size // parallel.size("lmhead_tp"), bias=False)  # this rank's rows
         par.shard(self.head.weight, 0, parallel, "lmhead_tp")
         k = args.num_nextn_predict_layers if mtp else 0
-        self.mtp = nn.ModuleList(MTPBlock(args, i, ropes, parallel) for i in range(k))
+        self.mtp = nn.ModuleList(MTPBlock(args, i, ropes, parallel, offload_slots) for i in range(k))
+
+    def moe_layers(self) -> dict[int, MoE]:
+        """Every MoE by its layer index: the main layers 0..L-1, then the MTP blocks' L.. ."""
+        return {block.ffn.layer: block.ffn for block in [*self.layers, *self.mtp]}
+
+    def record_routing(self, counter) -> None:
+        """Count every MoE layer's routed (token, expert) pairs into `counter` (a common.offload.RoutingCounter,
+        whose file FrequencyPlacement reads); None stops counting."""
+        for moe in self.moe_layers().values():
+            moe.routing_counter = counter
+
+    def finish_prefill(self, rows: list[int]) -> None:
+        """The engine's call after a step: the sequences `rows` of the step's batch finished their prompt's
+        prefill in it (dynamic expert placement then takes their experts as the resident set)."""
+        if self.offload is not None:
+            self.offload.finish_prefill(rows)
 
     def cache_specs(self, block_size: int) -> list[CacheGroupSpec]:
         """One token-level window group (KV + compressor state) and one compressed group per compress ratio."""

@@ -1,8 +1,10 @@
 """Deployment plan for DeepSeek-V4, without weights: what one rank holds and how much KV cache fits beside it.
 
     python plan.py --config configs/atlas-a3-flash.yaml [--model flash|pro|tiny] [--weights DIR]
-                   [--dtype bf16|fp16|fp32|auto] [--world-size N] [--device a3|950dt|none]
+                   [--dtype bf16|fp16|fp32|auto] [--world-size N] [--device a3|910b|950dt|h200|none]
                    [--device-memory-gib G] [--reserve-fraction F]
+    python plan.py --config configs/single-device-flash-offload.yaml [--offload-experts N] [--device ...]
+                   [--graph-headroom-gib G]
 
 The model is built on the meta device (nothing is allocated) for the real config and the preset's parallel layout,
 as rank 0 of that layout (a Parallel without process groups; every rank holds the same amount). Printed, per rank:
@@ -18,6 +20,11 @@ as rank 0 of that layout (a Parallel without process groups; every rank holds th
   holds what max_num_seqs requests use at once, the compressed groups the rest); whether the preset's
   kv_cache_memory_bytes fits beside the weights; the smallest
   power-of-two world size (the preset's layout, experts over all ranks) at which the weights fit at all.
+With MoE offload (--offload-experts N, or the preset's moe_offload; one device, moe_ep 1): the device holds N
+resident experts per MoE layer, the host every layer's routed experts once in MXFP4 (0.53125 bytes a weight);
+a table per single device (one A3 die, one 910B, one Ascend 950DT, one H200; or --device's) gives the device
+bytes (attention with embedding / head / mHC, shared expert + router, resident experts, the preset's KV
+budget, graph headroom), what is left, the largest N that fits, and the host bytes.
 Not counted: the MTP layer (`mtp.0`, a whole decoder layer; the model here does not build it), upstream's int8
 indexer cache (A8C8 on A3) and FP8 KV cache (C8 on 950), and o_proj TP (upstream splits wo_a for Pro on A3).
 Bad options: one line on stderr, exit code 2.
@@ -96,10 +103,18 @@ class Device:
 #   accelerator-roadmap-claims-it-to-makes-the-mightiest-clusters-94625.html: "the 950DT ... 144GB of 4 TB/s
 #   memory"), el.whatpsu.com/articles/2274-Huawei-Ascend-950-AI-Accelerator-Revealed-in-New-Image. No Huawei
 #   datasheet with the number was found.
+# - Ascend 910B: 64 GB HBM per device (the Atlas 800I A2's 8 x 64 GB; hicann/cann-recipes-infer's single-NPU
+#   MoE-offload recipe: "A3 or 910B, 64 GB HBM").
+# - H200: 141 GB HBM3e (NVIDIA's H200 datasheet).
 DEVICES = {
     "a3": Device("Atlas A3 die", 64, "SGLang Ascend NPU reference: 64 GB per die"),
+    "910b": Device("Ascend 910B", 64, "Atlas 800I A2: 8 x 64 GB HBM"),
     "950dt": Device("Ascend 950DT", 144, "Huawei Connect 2025 roadmap: 144 GB HiZQ 2.0"),
+    "h200": Device("NVIDIA H200", 141, "NVIDIA H200 datasheet: 141 GB HBM3e"),
 }
+SINGLE_DEVICES = ("a3", "910b", "950dt", "h200")  # the MoE-offload table's devices when --device gives none
+GRAPH_HEADROOM_GIB = 0.27  # upstream's measured graph memory on one A3 die (single-NPU offload recipe, K=32)
+MXFP4_BYTES_PER_WEIGHT = 17 / 32  # 32 e2m1 nibbles (16 bytes) + one e8m0 scale byte
 
 PARTS = ("attention", "routed experts", "shared expert + router", "embedding", "LM head", "mHC / norms")
 SCHEMES = ("W8A8", "W4A8")  # after the preset's dtype
@@ -148,10 +163,18 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     return out
 
 
-def build_rank0(args: ModelArgs, layout: par.LLMParallelLayout, dtype: torch.dtype, device="meta") -> DeepseekV4:
-    """Rank 0's slice of the model for `layout` (no process groups: sizes from the layout, rank 0 in each)."""
+def build_rank0(args: ModelArgs, layout: par.LLMParallelLayout, dtype: torch.dtype, device="meta",
+                offload_slots: int | None = None) -> DeepseekV4:
+    """Rank 0's slice of the model for `layout` (no process groups: sizes from the layout, rank 0 in each);
+    offload_slots N: MoE offload, N resident experts per layer (one device)."""
     with torch_default_dtype(dtype), torch.device(device):
-        return DeepseekV4(args, par.Parallel(layout))
+        return DeepseekV4(args, par.Parallel(layout), offload_slots=offload_slots)
+
+
+def host_expert_bytes(args: ModelArgs) -> int:
+    """MoE offload's host copy: every MoE layer's routed experts (the MTP layer not counted), once, in MXFP4."""
+    weights = args.num_hidden_layers * args.n_routed_experts * 3 * args.hidden_size * args.moe_intermediate_size
+    return int(weights * MXFP4_BYTES_PER_WEIGHT)
 
 
 def scaled_layout(layout: par.LLMParallelLayout, world: int) -> par.LLMParallelLayout:
@@ -189,6 +212,8 @@ class Plan:
     kv_per_block: dict[str, int]
     model: object  # rank 0's slice, on the meta device
     engine_limits: tuple[int, int, int]  # max_num_seqs, max_num_batched_tokens, max_model_len
+    offload_slots: int | None = None  # MoE offload: resident experts per layer
+    host_bytes: int = 0  # MoE offload: the host's MXFP4 experts
 
     def total(self, column: str) -> int:
         return sum(row[column] for row in self.weights.values())
@@ -206,17 +231,61 @@ class Plan:
 
 
 def plan(cfg: dict, label: str, source: str, layout: par.LLMParallelLayout, dtype: torch.dtype, engine: dict,
-         device="meta") -> tuple[Plan, ModelArgs]:
+         device="meta", offload_slots: int | None = None) -> tuple[Plan, ModelArgs]:
     """Rank 0 of `layout` for the config.json fields `cfg`: its weights, and its caches per block of the preset's
     block_size (cache_bytes_per_block measures a one-block cache; on meta nothing is allocated)."""
     args = ModelArgs.from_config(cfg)
-    model = build_rank0(args, layout, dtype, device)
+    model = build_rank0(args, layout, dtype, device, offload_slots)
     bs = int(engine.get("block_size", 16))
     per_block = model.cache_bytes_per_block(bs)  # {group: bytes of one block over all layers}
     limits = (int(engine.get("max_num_seqs", 32)), int(engine.get("max_num_batched_tokens", 1024)),
               int(engine.get("max_model_len") or args.max_position_embeddings))
     return Plan(label, source, layout, dtype, bs, weight_bytes(model), {g: n / bs for g, n in per_block.items()},
-                per_block, model, limits), args
+                per_block, model, limits, offload_slots,
+                host_expert_bytes(args) if offload_slots else 0), args
+
+
+def single_device_rows(p: Plan, args: ModelArgs, device: Device, reserve: float, kv_bytes: int,
+                       graph_headroom: int) -> dict[str, dict[str, int | str]]:
+    """MoE offload on one device: {row: {column: bytes (or text)}} for the dtype and the quantized columns."""
+    cols = ("dtype",) + SCHEMES
+    rows = {"attention, embedding, head, mHC": {}, "shared expert + router": {},
+            f"resident experts ({p.offload_slots} x {args.num_hidden_layers} layers)": {},
+            "KV cache (preset budget)": {}, "graph headroom": {}, "device total": {},
+            f"left of {device.memory_gib:g} GiB less {reserve:.0%}": {}, "largest N that fits": {}}
+    usable = int(device.memory_gib * GiB * (1 - reserve))
+    names = list(rows)
+    for c in cols:
+        resident = p.weights["routed experts"][c]
+        shared = p.weights["shared expert + router"][c]
+        rest = p.total(c) - resident - shared
+        total = p.total(c) + kv_bytes + graph_headroom
+        per_slot = resident // p.offload_slots
+        room = usable - (total - resident)
+        values = [rest, shared, resident, kv_bytes, graph_headroom, total, usable - total,
+                  str(min(max(room // per_slot, 0), args.n_routed_experts)) if room > 0 else "no fit"]
+        for name, v in zip(names, values):
+            rows[name][c] = v
+    return rows
+
+
+def single_device_report(p: Plan, args: ModelArgs, devices: list[Device], reserve: float, kv_bytes: int,
+                         graph_headroom: int) -> str:
+    dtype_name = {v: k for k, v in DTYPES.items() if v is not None}[p.dtype]
+    heads = (dtype_name,) + SCHEMES
+    lines = ["", f"MoE offload: one device + host, {p.offload_slots} resident experts per MoE layer of "
+                 f"{args.n_routed_experts} (moe_ep 1)",
+             f"host: every layer's {args.n_routed_experts} routed experts once in MXFP4 "
+             f"({args.num_hidden_layers} layers x {args.n_routed_experts} x "
+             f"{gib(p.host_bytes // (args.num_hidden_layers * args.n_routed_experts)).strip()}): "
+             f"{gib(p.host_bytes).strip()} of host memory"]
+    for device in devices:
+        lines += ["", f"one {device.name}: {device.memory_gib:g} GiB ({device.source})",
+                  f"{'':<40}" + "".join(f"{h:>14}" for h in heads)]
+        for name, row in single_device_rows(p, args, device, reserve, kv_bytes, graph_headroom).items():
+            cells = [v if isinstance(v, str) else gib(v) for v in row.values()]
+            lines.append(f"  {name:<38}" + "".join(f"{c:>14}" for c in cells))
+    return "\n".join(lines)
 
 
 def gib(n: float) -> str:
@@ -292,9 +361,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=sorted(DEVICES) + ["none"], help="default: from the preset's name")
     p.add_argument("--device-memory-gib", type=float, help="memory of one device (overrides --device's)")
     p.add_argument("--reserve-fraction", type=float, default=0.1, help="of the device, for activations / workspace")
+    p.add_argument("--offload-experts", type=int, metavar="N", help="MoE offload on one device: N resident experts "
+                   "per layer (default: the preset's moe_offload.resident_experts)")
+    p.add_argument("--graph-headroom-gib", type=float, default=GRAPH_HEADROOM_GIB,
+                   help="device memory for the decode graphs (MoE offload table)")
     a = p.parse_args(argv)
     read_preset(p, a)
     a.layout = parallel_layout(p, a)
+    spec = a.preset.get("moe_offload")
+    if a.offload_experts is None and isinstance(spec, dict):
+        a.offload_experts = spec.get("resident_experts")
+    if a.offload_experts is not None:
+        if not isinstance(a.offload_experts, int) or a.offload_experts < 1:
+            p.error(f"--offload-experts {a.offload_experts}: expected an int >= 1")
+        if a.layout.world_size != 1 or (a.world_size or 1) != 1:
+            p.error("MoE offload plans one device (world size 1)")
+    if a.graph_headroom_gib < 0:
+        p.error(f"--graph-headroom-gib {a.graph_headroom_gib}: expected a number >= 0")
     if a.world_size is not None:
         if a.world_size < 1:
             p.error(f"--world-size {a.world_size}: expected an int >= 1")
@@ -333,9 +416,10 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     engine = a.preset.get("engine") or {}
     try:
-        p, args = plan(a.model_config, a.label, a.source, a.layout, a.dtype_t, engine)
+        p, args = plan(a.model_config, a.label, a.source, a.layout, a.dtype_t, engine,
+                       offload_slots=a.offload_experts)
         min_worlds = None
-        if a.device_info is not None:
+        if a.device_info is not None and a.offload_experts is None:
             budget = int(a.device_info.memory_gib * GiB * (1 - a.reserve_fraction))
             min_worlds = min_world_size(args, a.layout, a.dtype_t, budget)
     except (ValueError, TypeError, KeyError) as e:  # a config / layout the model cannot take
@@ -343,6 +427,10 @@ def main(argv=None) -> None:
         sys.exit(2)
     preset = f"configs/{a.config.name}" if a.config.resolve().parent == HERE / "configs" else str(a.config)
     print(report(p, preset, engine, a.device_info, a.reserve_fraction, min_worlds))
+    if a.offload_experts is not None:
+        devices = [a.device_info] if a.device_info is not None else [DEVICES[d] for d in SINGLE_DEVICES]
+        kv = int(engine.get("kv_cache_memory_bytes", 256 * 2**20))
+        print(single_device_report(p, args, devices, a.reserve_fraction, kv, int(a.graph_headroom_gib * GiB)))
 
 
 if __name__ == "__main__":

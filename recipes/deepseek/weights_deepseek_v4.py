@@ -2,15 +2,23 @@
 
 The model uses the publisher's names, so that layout maps almost one to one; per-expert w1/w3/w2 tensors
 stack into `experts.w13` [E, 2I, D] and `experts.w2` [E, D, I], and shared-expert w1/w3 pack into `w13`.
+
+MoE offload (load_model's `offload`): each MoE layer's resident experts (the placement's choice) are read into
+its N slots, dequantized as the other weights are; the others are never dequantized: every layer's experts go
+to the host backend in MXFP4 as stored (common.offload.MXFP4Experts), held there once.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 
 import torch
 
+from common import backend
 from common.loader import Checkpoint, CheckpointError, load_weights
+from common.offload import (DynamicPlacement, ExpertOffload, FrequencyPlacement, KTKernelHostExperts,
+                            MoEOffloadConfig, MXFP4Experts, ResidentExperts, TorchHostExperts, dequant_expert)
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import DeepseekV4
 
@@ -105,23 +113,160 @@ def torch_default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None, mtp: bool = False) -> DeepseekV4:
+def expert_layer(prefix: str, args: ModelArgs) -> int:
+    """"layers.3.ffn.experts" -> 3; "mtp.0.ffn.experts" -> L + 0 (the MTP blocks' layer indices)."""
+    kind, index = prefix.split(".")[:2]
+    return int(index) + (args.num_hidden_layers if kind == "mtp" else 0)
+
+
+def expert_prefix(layer: int, args: ModelArgs) -> str:
+    L = args.num_hidden_layers
+    return f"layers.{layer}.ffn.experts" if layer < L else f"mtp.{layer - L}.ffn.experts"
+
+
+def offload_rename(name: str, args: ModelArgs, resident: ResidentExperts):
+    """As `rename` (publisher layout, one process), an offloaded layer's routed expert going to its resident slot;
+    None (never read) for an expert that is not resident."""
+    if (m := _EXPERT.match(name)) and expert_layer(m[1], args) in resident.slot_of:
+        slot = int(resident.slot_of[expert_layer(m[1], args)][int(m[2])])
+        if slot < 0:
+            return None
+        stacked, part = ("w2", None) if m[3] == "w2" else ("w13", 0 if m[3] == "w1" else 1)
+        return f"{m[1]}.{stacked}", (slot, part)
+    return rename(name, False)
+
+
+def check_mxfp4_experts(ckpt: Checkpoint, args: ModelArgs, layers) -> None:
+    """CheckpointError unless every offloaded layer's routed experts are stored in MXFP4 (publisher's names)."""
+    for layer in layers:
+        name = f"{expert_prefix(layer, args)}.0.w1.weight"
+        if name not in ckpt:
+            raise CheckpointError(f"{ckpt.path}: MoE offload reads the publisher's per-expert tensors; no {name!r}")
+        if ckpt.dtype(name) not in (torch.int8, torch.uint8) or name.removesuffix("weight") + "scale" not in ckpt:
+            raise CheckpointError(f"{ckpt.path}: MoE offload needs the routed experts in MXFP4 (int8 + e8m0 scale), "
+                                  f"{name} is {ckpt.dtype(name)}")
+
+
+def build_host_experts(ckpt: Checkpoint, args: ModelArgs, layers, backend_name: str, max_tokens: int = 256):
+    """Every offloaded layer's experts in MXFP4 on the host backend (all E of them: any may leave the device)."""
+    E = args.n_routed_experts
+    stored = ((layer, MXFP4Experts.from_checkpoint(ckpt, expert_prefix(layer, args), E)) for layer in layers)
+    if backend_name == "kt":  # one layer read at a time, copied into kt-kernel's buffers, then dropped
+        return KTKernelHostExperts(stored, args.num_experts_per_tok, args.swiglu_limit, max_tokens=max_tokens)
+    return TorchHostExperts(dict(stored), args.swiglu_limit)
+
+
+def expert_fetcher(host, ckpt: Checkpoint, args: ModelArgs):
+    """(layer, expert) -> float (w13 [2I, D], w2 [D, I]) for a newly resident expert: from the torch backend's
+    compact copy; kt-kernel's repacked copy cannot be read back, so from the checkpoint's MXFP4 (one expert)."""
+    if isinstance(host, TorchHostExperts):
+        def fetch(layer: int, e: int):
+            x = host.experts[layer]
+            return dequant_expert(x.w13[e], x.w13_scale[e]), dequant_expert(x.w2[e], x.w2_scale[e])
+        return fetch
+
+    def fetch(layer: int, e: int):
+        base = f"{expert_prefix(layer, args)}.{e}"
+        w1, w3, w2 = (ckpt.get(f"{base}.{w}.weight", torch.float32) for w in ("w1", "w3", "w2"))
+        return torch.cat([w1, w3]), w2
+    return fetch
+
+
+def prefix_for_unrecorded(placement, mtp_layers, num_experts: int):
+    """A frequency placement (or a dynamic one starting from it) whose routing counts lack the MTP blocks' layers
+    (recorded without speculative decoding) places their experts 0..N-1, as the prefix placement does."""
+    freq = placement.start if isinstance(placement, DynamicPlacement) else placement
+    if not isinstance(freq, FrequencyPlacement) or not (missing := [l for l in mtp_layers if l not in freq.counts]):
+        return placement
+    prefix_order = torch.arange(num_experts, 0, -1)  # counts falling with the id: top N = 0..N-1
+    freq = FrequencyPlacement(freq.num_slots, {**freq.counts, **dict.fromkeys(missing, prefix_order)})
+    return DynamicPlacement(placement.num_slots, freq) if isinstance(placement, DynamicPlacement) else freq
+
+
+def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None, mtp: bool = False,
+               offload: MoEOffloadConfig | None = None, max_tokens: int = 256) -> DeepseekV4:
     """Build DeepseekV4 from a checkpoint folder (either layout, FP8 / MXFP4 dequantized on load). With a
     common.parallel.Parallel, this rank's slice of the model, reading only the parts of the tensors it holds.
     mtp: also its MTP blocks (`mtp.<i>.*`, num_nextn_predict_layers of them; CheckpointError if the checkpoint
-    has none); without it the `mtp.*` tensors are not read."""
+    has none); without it the `mtp.*` tensors are not read. offload: MoE offload (one process, the publisher's
+    layout with MXFP4 experts): `model.offload` holds the resident tables and the host experts; max_tokens: the
+    most tokens one host-kernel call takes (kt-kernel's buffers; longer batches are split)."""
     ckpt = Checkpoint(path)
     args = ModelArgs.from_config(ckpt.config)
     if mtp and not args.num_nextn_predict_layers:
         raise CheckpointError(f"{path}: num_nextn_predict_layers is 0 in config.json: the checkpoint has no MTP layer")
+    slots = offload.resident_experts if offload is not None else None
     with torch_default_dtype(dtype), torch.device(device):
-        model = DeepseekV4(args, parallel, mtp=mtp)
+        model = DeepseekV4(args, parallel, mtp=mtp, offload_slots=slots)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if name.endswith(PACKED):
             tensor.weight_loader = _packed_loader
     layout = any(n.startswith("model.") for n in ckpt.names())
-    moe = model.layers[0].ffn
-    experts = (moe.ep_rank, moe.ep_size, moe.experts.w13.shape[0])
-    load_weights(model, ckpt, lambda n: rename(n, layout, experts), dtype=dtype, ignore=() if mtp else (MTP,))
+    ignore = () if mtp else (MTP,)
+    if offload is None:
+        moe = model.layers[0].ffn
+        experts = (moe.ep_rank, moe.ep_size, moe.experts.w13.shape[0])
+        load_weights(model, ckpt, lambda n: rename(n, layout, experts), dtype=dtype, ignore=ignore)
+    else:
+        if layout:
+            raise CheckpointError(f"{path}: MoE offload reads the publisher's layout (per-expert MXFP4 tensors), "
+                                  "not the transformers layout")
+        moes = model.moe_layers()
+        check_mxfp4_experts(ckpt, args, moes)
+        placement = prefix_for_unrecorded(offload.make_placement(), range(args.num_hidden_layers, len(moes)),
+                                          args.n_routed_experts)
+        try:
+            resident = ResidentExperts(placement, moes, args.n_routed_experts, device=device)
+        except ValueError as e:
+            raise ValueError(f"moe_offload placement: {e}") from None
+        load_weights(model, ckpt, lambda n: offload_rename(n, args, resident), dtype=dtype, ignore=ignore)
+        host = build_host_experts(ckpt, args, moes, offload.host_backend, max_tokens)
+        model.offload = ExpertOffload(resident, host, {layer: moe.experts for layer, moe in moes.items()},
+                                      expert_fetcher(host, ckpt, args), dynamic_layers=range(args.num_hidden_layers))
+        for moe in moes.values():
+            moe.offload = model.offload
     model.checkpoint_reads = dict(ckpt.reads)  # what this rank read of the checkpoint: {stored name: bytes}
     return model.eval()
+
+
+def model_bytes(args: ModelArgs, dtype: torch.dtype, mtp: bool = False, offload_slots: int | None = None) -> dict:
+    """{"device": the model's parameter and buffer bytes in `dtype` (built on the meta device: exact),
+    "host": the host experts' MXFP4 bytes (offload; 0 without)}."""
+    with torch_default_dtype(dtype), torch.device("meta"):
+        model = DeepseekV4(args, mtp=mtp, offload_slots=offload_slots)
+    device = sum(t.nbytes for t in model.state_dict().values())
+    host = 0
+    if offload_slots is not None:
+        D, I = args.hidden_size, args.moe_intermediate_size
+        per_expert = 3 * D * I // 2 + 3 * D * I // 32  # e2m1 nibbles + one e8m0 scale per 32
+        host = len(model.moe_layers()) * args.n_routed_experts * per_expert
+    return {"device": device, "host": host}
+
+
+def check_fits(args: ModelArgs, dtype: torch.dtype, device="cpu", mtp: bool = False,
+               offload_slots: int | None = None, available: tuple[int, int] | None = None) -> None:
+    """ValueError, with the arithmetic, when the weights cannot fit before anything is loaded: on a CPU device
+    everything is host memory; else the device part against the device's free memory and the host experts
+    against the host's. available: (device free, host free) bytes (default: what backend.memory_info says)."""
+    need = model_bytes(args, dtype, mtp, offload_slots)
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    on_cpu = torch.device(device).type == "cpu"
+    if available is None:
+        host_free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        available = (host_free if on_cpu else backend.memory_info()[0], host_free)
+    dev_free, host_free = available
+    what = "all routed experts resident" if offload_slots is None else f"{offload_slots} resident experts a layer"
+    if on_cpu and need["device"] + need["host"] > host_free:
+        hint = "" if offload_slots is not None else (
+            f"; with --offload-experts N the device part shrinks to "
+            f"{gib(model_bytes(args, dtype, mtp, 1)['device'])} (N = 1) and the host holds the experts in MXFP4, "
+            f"{gib(model_bytes(args, dtype, mtp, 1)['host'])}")
+        raise ValueError(f"the weights need {gib(need['device'])} in {backend.dtype_name(dtype)} ({what})"
+                         + (f" + {gib(need['host'])} of MXFP4 host experts" if need["host"] else "")
+                         + f", and {gib(host_free)} of host memory is free{hint}")
+    if not on_cpu and need["device"] > dev_free:
+        raise ValueError(f"the weights need {gib(need['device'])} of device memory in {backend.dtype_name(dtype)} "
+                         f"({what}), and {gib(dev_free)} is free: lower --offload-experts or use more devices")
+    if not on_cpu and need["host"] > host_free:
+        raise ValueError(f"the host experts need {gib(need['host'])} of host memory (MXFP4), and {gib(host_free)} "
+                         "is free")

@@ -159,3 +159,53 @@ def test_bad_options_give_one_line_and_exit_2(argv, needle, capsys, monkeypatch)
 def test_bad_option_from_the_command_line():
     r = run_plan("--config", "configs/atlas-a3-flash.yaml", "--reserve-fraction", "-1")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--reserve-fraction" in r.stderr
+
+
+def test_offload_plan_equals_an_offloaded_load(tmp_path):
+    """MoE offload on one device: the device bytes are what an offloaded load holds (N slots a layer), the host
+    bytes its host experts' MXFP4 tensors."""
+    from common.offload import MoEOffloadConfig
+
+    path = write_tiny_checkpoint(tmp_path / "ckpt", seed=1)
+    model = load_model(path, torch.float32, offload=MoEOffloadConfig(3))
+    p = plan.plan(TINY_CONFIG, "tiny", "test", LLMParallelLayout(), torch.float32, ENGINE, offload_slots=3)[0]
+    assert p.total("dtype") == sum(t.nbytes for t in model.state_dict().values())
+    assert p.weights["routed experts"]["dtype"] == 4 * 3 * 3 * 64 * 32 * 4  # 4 layers x 3 slots, fp32
+    assert p.host_bytes == sum(x.nbytes for x in model.offload.host.experts.values())
+
+
+def test_flash_on_one_device_plus_host():
+    args = ModelArgs.from_config(plan.FLASH_CONFIG)
+    p = plan.plan(plan.FLASH_CONFIG, "flash", "test", LLMParallelLayout(), torch.bfloat16, {"block_size": 128},
+                  offload_slots=32)[0]
+    assert p.weights["routed experts"]["dtype"] == 43 * 32 * 3 * 2048 * 4096 * 2  # bf16 slots
+    assert p.host_bytes == 43 * 256 * (3 * 4096 * 2048 // 2 + 3 * 4096 * 2048 // 32)  # 13,369,344 B an expert
+    rows = plan.single_device_rows(p, args, plan.DEVICES["a3"], 0.1, 2**30, 0)
+    fit = int(rows["largest N that fits"]["W8A8"])
+    per_slot = p.weights["routed experts"]["W8A8"] // 32  # int8 + fp32 scales of one expert in 43 layers
+    left = int(64 * 2**30 * 0.9) - (p.total("W8A8") - p.weights["routed experts"]["W8A8"]) - 2**30
+    assert fit == left // per_slot and 30 < fit < 50  # about 1 GiB per +1 (upstream: K=32 on one A3 die)
+
+
+def test_single_device_preset_prints_every_device():
+    r = run_plan("--config", "configs/single-device-flash-offload.yaml")
+    assert r.returncode == 0, r.stderr
+    for needle in ("MoE offload: one device + host, 8 resident experts", "137.06 GiB of host memory",
+                   "one Atlas A3 die", "one Ascend 910B", "one Ascend 950DT", "one NVIDIA H200",
+                   "resident experts (8 x 43 layers)", "KV cache (preset budget)", "graph headroom",
+                   "largest N that fits"):
+        assert needle in r.stdout, needle
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--config", "configs/single-device-flash-offload.yaml", "--offload-experts", "0"], "--offload-experts 0"),
+    (["--config", "configs/atlas-a3-flash.yaml", "--offload-experts", "4"], "one device"),
+    (["--config", "configs/single-device-flash-offload.yaml", "--graph-headroom-gib", "-1"], "--graph-headroom-gib"),
+])
+def test_bad_offload_options_give_one_line_and_exit_2(argv, needle, capsys, monkeypatch):
+    monkeypatch.chdir(RECIPE)
+    with pytest.raises(SystemExit) as e:
+        plan.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err, err

@@ -1,0 +1,94 @@
+"""One model's MoE offload at run time: the resident tables, the host experts, and the in-place residency change.
+
+Per MoE layer (`route`): the router's top-k is split (ResidentExperts.split), the host part is submitted to the
+host backend before the device runs its resident and shared experts, and the caller adds `host.sync(handle)`
+once those are done. On a CPU-only machine the two halves run one after the other on the same cores (the torch
+backend computes inside submit; kt-kernel's pool runs while the caller's thread does the device half, but both
+share the cores). With an accelerator, the router and the resident experts run there; submit copies the
+hidden states and the host part of the routing to the host, and sync copies the partial sum back.
+
+Dynamic placement (`finish_prefill`): after a step, the requests whose prompt prefill ended in it pool the routed
+ids of their tokens in that step (the prompt's last prefill chunk: the whole prompt when it fitted in one step),
+per main-model MoE layer; each layer's N most routed experts become its resident set, their weights dequantized
+from the host's compact copy into the freed slots. Outputs never depend on the resident set: an expert that is
+not resident is computed on the host.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from .host_experts import HostExperts, HostMoEHandle
+from .placement import DynamicPlacement, ResidentExperts
+
+GRAPH_MODE = ("MoE offload runs eager (exe_mode eager): the host experts' call reads the routing on the host, which "
+              "a compiled decode graph cannot hold")
+# (layer, expert) -> that expert's float weights (w13 [2I, D] gate rows then up rows, w2 [D, I])
+FetchExpert = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class ExpertOffload:
+    """resident: the slot tables of every offloaded layer; host: the host backend holding every offloaded layer's
+    experts (all E, compact); slots: {layer: the module holding its N device slots, with set_slot(slot, w13, w2)};
+    fetch: where a newly resident expert's weights come from; dynamic_layers: the layers dynamic placement
+    updates (the main model's; the MTP blocks keep their start placement)."""
+
+    def __init__(self, resident: ResidentExperts, host: HostExperts, slots: Mapping[int, object],
+                 fetch: FetchExpert, dynamic_layers: Iterable[int]):
+        if set(resident.experts) != set(host.layers) or set(slots) != set(host.layers):
+            raise ValueError(f"resident layers {sorted(resident.experts)}, host layers {list(host.layers)} and "
+                             f"slot layers {sorted(slots)} must be the same")
+        self.resident, self.host, self.slots, self.fetch = resident, host, dict(slots), fetch
+        self.dynamic = isinstance(resident.placement, DynamicPlacement)
+        self.dynamic_layers = set(dynamic_layers) & set(host.layers)
+        self.step_ids: dict[int, torch.Tensor] = {}  # this step's router ids [T, k] by layer (dynamic only)
+        self.step_seq_ids: torch.Tensor | None = None  # [T] their sequence in the step's batch
+        self.pairs = self.resident_pairs = None  # routed pairs seen / of them on the device (device tensors)
+        self.swaps = 0  # experts copied into slots by dynamic placement
+
+    @property
+    def num_slots(self) -> int:
+        return self.resident.num_slots
+
+    def route(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              seq_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, HostMoEHandle]:
+        """hidden [T, D], the router's topk_ids / topk_weights [T, k] -> (device slot ids [T, k], their weights
+        [T, k] (0 for host pairs), the submitted host half's handle). seq_ids [T]: the tokens' sequences, which
+        dynamic placement counts by."""
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(GRAPH_MODE)
+        split = self.resident.split(layer, topk_ids, topk_weights)
+        handle = self.host.submit(layer, hidden, split.host_ids, split.host_weights)
+        if self.dynamic and layer in self.dynamic_layers and seq_ids is not None:
+            self.step_ids[layer], self.step_seq_ids = topk_ids, seq_ids
+        resident = (split.host_ids < 0).sum()
+        if self.pairs is None:
+            self.pairs, self.resident_pairs = torch.zeros_like(resident), torch.zeros_like(resident)
+        self.pairs += topk_ids.numel()
+        self.resident_pairs += resident
+        return split.device_ids, split.device_weights, handle
+
+    def hit_rate(self) -> float:
+        """The share of routed pairs computed on the device so far (H)."""
+        return float(self.resident_pairs) / max(int(self.pairs), 1) if self.pairs is not None else 0.0
+
+    def finish_prefill(self, rows: list[int]) -> dict[int, list[tuple[int, int]]]:
+        """The step's sequences `rows` finished their prompt's prefill: under dynamic placement each layer's
+        resident set becomes their pooled top N, weights copied in. Returns the (slot, expert) moves by layer."""
+        if not (self.dynamic and rows and self.step_ids):
+            return {}
+        seq = self.step_seq_ids
+        mine = torch.isin(seq, torch.tensor(rows, dtype=seq.dtype, device=seq.device))  # [T]
+        E = self.resident.num_experts
+        counts = {layer: torch.bincount(ids[mine].flatten().long(), minlength=E).cpu()
+                  for layer, ids in self.step_ids.items()}
+        self.step_ids.clear()
+        moves = self.resident.after_prefill(counts)
+        for layer, pairs in moves.items():
+            for slot, expert in pairs:
+                w13, w2 = self.fetch(layer, expert)
+                self.slots[layer].set_slot(slot, w13, w2)
+            self.swaps += len(pairs)
+        return moves
+
