@@ -10,21 +10,16 @@ import sys
 from pathlib import Path
 
 import yaml
-from transformers import AutoTokenizer
-
 from common import backend
 from common import parallel as par
 from common.engine import EngineConfig
 from common.engine.config import EXE_MODES
 from common.loader import Checkpoint, CheckpointError
 from common.offload import HOST_BACKENDS, PLACEMENTS, MoEOffloadConfig
-from config_deepseek_v4 import ModelArgs
-from modeling_deepseek_v4 import check_layout
-from tiny_deepseek_v4 import is_current, write_tiny_checkpoint
-from weights_deepseek_v4 import check_fits, load_model
+from model_family import FAMILIES, family_of_config, load_tokenizer
 
 HERE = Path(__file__).resolve().parent
-TINY = HERE.parents[1] / "weights" / "deepseek-v4-tiny"
+TINY = FAMILIES["deepseek-v4"].tiny
 DEFAULT_PRESET = HERE / "configs" / "tiny-cpu.yaml"
 # --dtype / a preset's dtype; auto (also a preset without one): backend.default_dtype(), which follows the device
 DTYPES = {backend.AUTO: None, **backend.DTYPES}
@@ -37,6 +32,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def add_model_args(p: ArgumentParser) -> None:
     p.add_argument("--weights", type=Path, help="checkpoint folder (default: the tiny random checkpoint)")
+    p.add_argument("--model", choices=sorted(FAMILIES), help="which model's tiny checkpoint runs without --weights "
+                   "(default: the preset's model, else deepseek-v4); with --weights, config.json's model_type decides")
     p.add_argument("--config", type=Path, default=DEFAULT_PRESET, help="deployment preset")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="overrides the preset's dtype")
     p.add_argument("--speculative-tokens", type=int, metavar="K", help="MTP speculative decoding with K drafts a "
@@ -57,6 +54,7 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     if a.weights is not None and not a.weights.is_dir():
         p.error(f"--weights {a.weights}: no such directory")
     read_preset(p, a)
+    a.family = model_family(p, a)
     a.layout = parallel_layout(p, a)
     preset_dtype = a.preset.get("dtype", backend.AUTO)  # --dtype > the preset's dtype > auto (follows the device)
     if preset_dtype not in DTYPES:
@@ -73,6 +71,8 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     if a.exe_mode not in EXE_MODES:
         p.error(f"--config {a.config.name}: exe_mode {a.exe_mode!r}, expected one of {list(EXE_MODES)}")
     a.offload = moe_offload(p, a)
+    if a.offload is not None and not a.family.supports_offload:
+        p.error(f"MoE offload serves DeepSeek-V4's MXFP4 experts; {a.family.name} has none")
     if a.offload is not None and a.exe_mode == "graph":
         p.error("MoE offload runs eager: the host experts' call is not capturable in a decode graph (use "
                 "--exe-mode eager)")
@@ -84,10 +84,9 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     except (ValueError, TypeError) as e:
         p.error(f"--config {a.config.name}: {e}")
     if a.layout.world_size > 1 and "WORLD_SIZE" not in os.environ:
-        if a.weights is None and not is_current(TINY):
-            write_tiny_checkpoint(TINY)  # once, before the ranks start
+        path = a.weights or a.family.ensure_tiny()  # once, before the ranks start
         try:
-            check_layout(ModelArgs.from_config(Checkpoint(a.weights or TINY).config), a.layout)
+            a.family.check_layout(a.family.model_args(Checkpoint(path).config), a.layout)
         except (CheckpointError, ValueError) as e:
             p.error(f"--config {a.config.name}: {e}")
         launch_ranks(a.layout.world_size)
@@ -96,6 +95,22 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     if a.layout.world_size > 1 and int(os.environ["WORLD_SIZE"]) != a.layout.world_size:
         p.error(f"--config {a.config.name} is for {a.layout.world_size} ranks, but torchrun started "
                 f"{os.environ['WORLD_SIZE']}")
+
+
+def model_family(p: ArgumentParser, a: argparse.Namespace):
+    """--weights' config.json model_type, else --model, else the preset's `model:`, else deepseek-v4."""
+    named = a.model or a.preset.get("model")
+    if named is not None and named not in FAMILIES:
+        p.error(f"--config {a.config.name}: model {named!r}, expected one of {sorted(FAMILIES)}")
+    if a.weights is None:
+        return FAMILIES[named or "deepseek-v4"]
+    try:
+        family = family_of_config(Checkpoint(a.weights).config)
+    except (CheckpointError, ValueError) as e:
+        p.error(f"--weights {a.weights}: {e}")
+    if a.model is not None and a.model != family.name:
+        p.error(f"--model {a.model}, but --weights {a.weights} holds {family.name}")
+    return family
 
 
 def speculative_tokens(p: ArgumentParser, a: argparse.Namespace) -> int:
@@ -211,21 +226,22 @@ def load(a: argparse.Namespace):
     """(model, tokenizer, EngineConfig) for the parsed arguments; writes the tiny checkpoint on first use; joins
     the ranks of a multi-rank preset (this rank's slice of the model). Exits with a one-line message and code 2
     for a missing / corrupt checkpoint or a bad preset."""
-    path = a.weights or TINY
-    if a.weights is None and not is_current(TINY):  # missing, or written by an older revision of the writer
-        write_tiny_checkpoint(TINY)
+    family = a.family
+    path = a.weights or family.ensure_tiny()  # the tiny one: (re)written when missing or out of date
     try:
         config, rest = EngineConfig.from_kwargs(**(a.preset.get("engine") or {}))
         if rest:
             raise ValueError(f"unknown engine settings in {a.config.name}: {sorted(rest)}")
         config = dataclasses.replace(config, num_speculative_tokens=a.speculative_tokens, exe_mode=a.exe_mode)
         parallel = par.init_parallel(a.layout) if a.layout.world_size > 1 else None
-        mtp, slots = a.speculative_tokens > 0, a.offload and a.offload.resident_experts
+        mtp = a.speculative_tokens > 0
+        args = family.model_args(Checkpoint(path).config)
+        offload = {} if a.offload is None else {"offload": a.offload, "max_tokens": config.max_num_batched_tokens}
         if a.layout.world_size == 1:  # refused here, with the arithmetic, rather than killed for memory later
-            check_fits(ModelArgs.from_config(Checkpoint(path).config), a.dtype, backend.device(), mtp, slots)
-        model = load_model(path, a.dtype, backend.device(), parallel=parallel, mtp=mtp, offload=a.offload,
-                           max_tokens=config.max_num_batched_tokens)
-        return model, AutoTokenizer.from_pretrained(path), config
+            family.check_fits(args, a.dtype, backend.device(), mtp,
+                              **({"offload_slots": a.offload.resident_experts} if a.offload else {}))
+        model = family.load_model(path, a.dtype, backend.device(), parallel=parallel, mtp=mtp, **offload)
+        return model, load_tokenizer(path), config
     except (CheckpointError, ValueError, TypeError, OSError) as e:
         fail(e)
 

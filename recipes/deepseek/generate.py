@@ -17,8 +17,8 @@ from common import backend
 from common import parallel as par
 from common.engine import LLM, SamplingParams
 from common.offload import RoutingCounter
+from common.serving.chat_format import Conversation, TemplateChatFormat
 from cli_deepseek import HERE, ArgumentParser, add_model_args, check_model_args, fail, load
-from encoding_deepseek_v4 import encode_messages
 
 
 def parse_args(argv=None):
@@ -45,6 +45,8 @@ def parse_args(argv=None):
     except ValueError as e:
         p.error(str(e))
     check_model_args(p, a)
+    if a.record_routing is not None and not a.family.supports_offload:
+        p.error(f"--record-routing counts DeepSeek-V4's routed experts (MoE offload); {a.family.name} has no offload")
     return a
 
 
@@ -56,9 +58,12 @@ def main(argv=None) -> int:
     except ValueError as e:  # settings that can never run (checked when the engine is built)
         fail(e)
     prompts = [line.strip() for line in a.prompts.read_text().splitlines() if line.strip()]
-    texts = [encode_messages([{"role": "user", "content": p}]) for p in prompts]
-    counter = RoutingCounter(model.args.n_routed_experts) if a.record_routing is not None else None
-    model.record_routing(counter)
+    chat = a.family.chat_format() or TemplateChatFormat(tokenizer)  # the prompts as the server would render them
+    texts = [chat.encode(Conversation([{"role": "user", "content": p}])).text for p in prompts]
+    counter = None
+    if a.record_routing is not None:
+        counter = RoutingCounter(model.args.n_routed_experts)
+        model.record_routing(counter)
     backend.reset_peak_memory()
     outputs = llm.generate(texts, a.sampling)
     engine = llm.engine
@@ -82,7 +87,7 @@ def main(argv=None) -> int:
              if (graphs := engine.runner.graphs) is not None else "")
           + (f" offload={off.num_slots}/{model.args.n_routed_experts} placement={a.offload.placement} "
              f"host={a.offload.host_backend} resident_hit_rate={off.hit_rate():.2f} swaps={off.swaps}"
-             if (off := model.offload) is not None else ""))
+             if a.family.supports_offload and (off := model.offload) is not None else ""))
     if counter is not None:
         counter.save(a.record_routing)
         print(f"routing counts of {len(counter.counts)} MoE layers written to {a.record_routing}")

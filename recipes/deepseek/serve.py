@@ -27,8 +27,7 @@ from common.kv_transfer import make_transport
 from common.serving.api_server import build_app
 from common.serving.pd_decode import DecodeConnector
 from common.serving.pd_prefill import PrefillConnector
-from chat_format_deepseek_v4 import DeepseekV4ChatFormat
-from cli_deepseek import TINY, ArgumentParser, add_model_args, check_model_args, fail, load
+from cli_deepseek import ArgumentParser, add_model_args, check_model_args, fail, load
 
 
 def parse_args(argv=None):
@@ -85,7 +84,7 @@ def main(argv=None) -> int:
         engine = LLMEngine(model, tokenizer, config, kv_connector=connector)
     except ValueError as e:  # settings that can never run (checked when the engine is built)
         fail(e)
-    path = a.weights or TINY
+    path = a.weights or a.family.tiny
     async_engine = AsyncLLMEngine(engine, max_waiting=a.max_waiting,
                                   max_consecutive_step_errors=a.max_consecutive_step_errors)
     if engine.parallel.rank != 0:  # a multi-rank preset: rank 0 serves, the others follow its engine loop
@@ -97,7 +96,7 @@ def main(argv=None) -> int:
         par.destroy_parallel()
         return 0
     app = build_app(async_engine, tokenizer, a.served_model_name or Path(path).resolve().name, api_key=a.api_key,
-                    chat_format=DeepseekV4ChatFormat())
+                    chat_format=a.family.chat_format())
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
                                            timeout_graceful_shutdown=a.drain_timeout))
     # uvicorn re-raises the signal it shut down on; a no-op handler then makes a clean exit 0

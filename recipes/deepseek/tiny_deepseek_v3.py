@@ -22,7 +22,15 @@ import torch
 from common.loader import quantize_fp8_block, save_checkpoint, write_tokenizer
 from config_deepseek_v3 import ModelArgs
 from modeling_deepseek_v3 import DeepseekV3
-from tiny_deepseek_v4 import CHAT_TEMPLATE, SPECIAL_TOKENS
+from tiny_deepseek_v4 import SPECIAL_TOKENS
+
+# DeepSeek-V3's chat template, the turns only (the published one also renders its tool-call tokens; tools are not
+# served for this family): system text first, then <｜User｜> / <｜Assistant｜> turns, each answer closed by EOS.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages if m['role'] == 'system' %}{{ m['content'] }}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
 
 TINY_CONFIG = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=512, hidden_size=64,
@@ -110,7 +118,7 @@ def quantize(state: dict[str, torch.Tensor], fp8: bool = True) -> dict[str, torc
     return out
 
 
-TINY_REVISION = 1  # bumped when the writer changes what it writes
+TINY_REVISION = 2  # bumped when the writer changes what it writes
 REVISION_FILE = "tiny_revision.txt"
 
 
