@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from common.cli_paths import input_path
 from common import backend
 from common import parallel as par
 from common.engine import EngineConfig
@@ -31,10 +32,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def add_model_args(p: ArgumentParser) -> None:
-    p.add_argument("--weights", type=Path, help="checkpoint folder (default: the tiny random checkpoint)")
+    p.add_argument("--weights", type=input_path(HERE), help="checkpoint folder (default: the tiny random checkpoint)")
     p.add_argument("--model", choices=sorted(FAMILIES), help="which model's tiny checkpoint runs without --weights "
                    "(default: the preset's model, else deepseek-v4); with --weights, config.json's model_type decides")
-    p.add_argument("--config", type=Path, default=DEFAULT_PRESET, help="deployment preset")
+    p.add_argument("--config", type=input_path(HERE), default=DEFAULT_PRESET, help="deployment preset")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="overrides the preset's dtype")
     p.add_argument("--speculative-tokens", type=int, metavar="K", help="MTP speculative decoding with K drafts a "
                    "step (overrides the preset's speculative.num_speculative_tokens; 0: off)")
@@ -44,7 +45,7 @@ def add_model_args(p: ArgumentParser) -> None:
     g.add_argument("--offload-experts", type=int, metavar="N", help="N resident experts per MoE layer on the "
                    "device, the others computed on the host CPU in MXFP4 (one process)")
     g.add_argument("--placement", choices=PLACEMENTS, help="which experts are resident (default prefix)")
-    g.add_argument("--frequency-file", type=Path, metavar="PATH", help="routing counts (generate.py "
+    g.add_argument("--frequency-file", type=input_path(HERE), metavar="PATH", help="routing counts (generate.py "
                    "--record-routing) for placement frequency, or dynamic's start")
     g.add_argument("--host-backend", choices=HOST_BACKENDS, help="torch (exact, default) or kt (kt-kernel)")
 

@@ -11,10 +11,10 @@ With no --weights, a tiny random checkpoint in the publisher's format is written
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from common import backend
 from common import parallel as par
+from common.cli_paths import input_path, output_path
 from common.engine import LLM, SamplingParams
 from common.offload import RoutingCounter
 from common.serving.chat_format import Conversation, TemplateChatFormat
@@ -24,13 +24,13 @@ from cli_deepseek import HERE, ArgumentParser, add_model_args, check_model_args,
 def parse_args(argv=None):
     p = ArgumentParser(prog="run.sh", description="DeepSeek-V4 offline inference")
     add_model_args(p)
-    p.add_argument("--prompts", type=Path, default=HERE / "prompts.txt", help="one prompt per line")
+    p.add_argument("--prompts", type=input_path(HERE), default=HERE / "prompts.txt", help="one prompt per line")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int)
-    p.add_argument("--record-routing", type=Path, metavar="PATH", help="write the run's routing counts per MoE "
+    p.add_argument("--record-routing", type=output_path, metavar="PATH", help="write the run's routing counts per MoE "
                    "layer (the --frequency-file of placement frequency)")
     a = p.parse_args(argv)
     if a.record_routing is not None and not a.record_routing.resolve().parent.is_dir():

@@ -7,6 +7,8 @@
 #   bash recipes/deepseek/run.sh --serve --dp N [--port 8000] ...   (N instances on ports 8001.., router on 8000)
 #   bash recipes/deepseek/run.sh --serve --pd P:D [--port 8000] ... (P prefill + D decode instances, router on 8000)
 set -euo pipefail
+# relative path arguments resolve from here first (common/cli_paths.py); kept when a recipe starts another run.sh
+export NPU_COOKBOOK_CALLER_DIR="${NPU_COOKBOOK_CALLER_DIR:-$PWD}"
 cd "$(dirname "$0")"
 if [[ "${1:-}" == "--serve" ]]; then
   shift

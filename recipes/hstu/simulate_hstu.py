@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from common import backend
+from common.cli_paths import input_path
 from common.loader import CheckpointError
 from data_hstu import TASKS, User, read_dataset, write_synthetic
 from kv_cache_hstu import HistoryKVCache
@@ -78,10 +79,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(prog="run.sh", description=__doc__.splitlines()[0])
-    p.add_argument("--data", type=Path, help="folder with user_features_1k.csv + log_standard_1k.csv "
+    p.add_argument("--data", type=input_path(HERE), help="folder with user_features_1k.csv + log_standard_1k.csv "
                    "(default: synthetic data, written on first use)")
-    p.add_argument("--weights", type=Path, help="checkpoint folder (default: the tiny random checkpoint)")
-    p.add_argument("--config", type=Path, default=HERE / "configs" / "tiny-cpu.yaml", help="preset")
+    p.add_argument("--weights", type=input_path(HERE), help="checkpoint folder (default: the tiny random checkpoint)")
+    p.add_argument("--config", type=input_path(HERE), default=HERE / "configs" / "tiny-cpu.yaml", help="preset")
     p.add_argument("--mode", choices=("simulate", "eval"), default="simulate")
     p.add_argument("--batch-users", type=int, help="overrides the preset's batch_users")
     p.add_argument("--num-pages", type=int, help="overrides the preset's cache.num_pages")

@@ -19,6 +19,7 @@ import yaml
 from transformers import PreTrainedTokenizerFast
 
 from common import backend, parallel
+from common.cli_paths import input_path, output_path
 from common.loader import CheckpointError
 from common.diffusion.media import write_png
 from pipeline_hunyuan_image import HunyuanImage3Pipeline, parse_image_size
@@ -42,8 +43,9 @@ PRESET = {"dtype": str, "image_size": str, "infer_steps": int, "guidance": float
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(prog="run.sh", description="HunyuanImage-3.0 text-to-image")
-    p.add_argument("--config", type=Path, default=HERE / "configs" / "tiny-cpu.yaml", help="deployment preset")
-    p.add_argument("--weights", type=Path, help="checkpoint folder (default: the tiny random checkpoint)")
+    p.add_argument("--config", type=input_path(HERE), default=HERE / "configs" / "tiny-cpu.yaml",
+                   help="deployment preset")
+    p.add_argument("--weights", type=input_path(HERE), help="checkpoint folder (default: the tiny random checkpoint)")
     p.add_argument("--prompt", default="A brown and white dog is running on the grass")
     p.add_argument("--image-size", help="'HxW' (multiples of 16, >= 32), 'N' or 'auto' (the model picks the ratio)")
     p.add_argument("--infer-steps", type=int, help="denoising steps (the publisher's default is 50)")
@@ -55,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, help="attention tensor parallel size (divides the kv heads)")
     p.add_argument("--ep", type=int, help="MoE expert parallel size (divides the experts)")
     p.add_argument("--no-kv-reuse", action="store_true", help="recompute the full sequence every step")
-    p.add_argument("--output", type=Path, default=ROOT / "outputs" / "hunyuan-image" / "image.png")
+    p.add_argument("--output", type=output_path, default=ROOT / "outputs" / "hunyuan-image" / "image.png")
     a = p.parse_args(argv)
     if not a.config.is_file():
         p.error(f"--config {a.config}: no such file")

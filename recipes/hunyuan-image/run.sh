@@ -5,5 +5,7 @@
 #                                     [--guidance G] [--seed S] [--dtype bf16|fp32] [--output FILE]
 #                                     [--cfg-parallel] [--tp N] [--ep N]     (several ranks: runs under torchrun)
 set -euo pipefail
+# relative path arguments resolve from here first (common/cli_paths.py); kept when a recipe starts another run.sh
+export NPU_COOKBOOK_CALLER_DIR="${NPU_COOKBOOK_CALLER_DIR:-$PWD}"
 cd "$(dirname "$0")"
 exec python generate_hunyuan_image.py "$@"

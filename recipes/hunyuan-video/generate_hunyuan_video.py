@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from common.cli_paths import input_path, output_path
 from common.diffusion.step_cache import POLICIES
 from sampling_hunyuan_video import SamplingConfig
 
@@ -34,8 +35,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(prog="hunyuan-video", description=__doc__.splitlines()[0])
-    p.add_argument("--weights", type=Path, help="checkpoint root (the publisher's ckpts/ layout; default: tiny)")
-    p.add_argument("--config", type=Path, default=HERE / "configs" / "tiny-cpu.yaml", help="preset")
+    p.add_argument("--weights", type=input_path(HERE),
+                   help="checkpoint root (the publisher's ckpts/ layout; default: tiny)")
+    p.add_argument("--config", type=input_path(HERE), default=HERE / "configs" / "tiny-cpu.yaml", help="preset")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--video-size", type=int, nargs=2, metavar=("H", "W"))
     p.add_argument("--video-length", type=int)
@@ -54,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=[AUTO, *sorted(DTYPES)], help="overrides the preset's dtype (auto: follow the "
                    "device: bf16 on NPU and where the CPU's oneDNN runs bf16, fp32 on AVX2-only CPUs)")
     p.add_argument("--world-size", action="store_true", help=argparse.SUPPRESS)  # run.sh: how many ranks to launch
-    p.add_argument("--output", type=Path, default=HERE.parents[1] / "outputs" / "hunyuan-video" / "video.mp4")
+    p.add_argument("--output", type=output_path, default=HERE.parents[1] / "outputs" / "hunyuan-video" / "video.mp4")
     a = p.parse_args(argv)
     if a.weights is not None and not a.weights.is_dir():
         p.error(f"--weights {a.weights}: no such directory")

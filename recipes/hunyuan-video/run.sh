@@ -8,6 +8,8 @@
 #        [--sp N | --ulysses-degree U --ring-degree R] [--cfg-parallel --true-cfg-scale S --negative-prompt TEXT]
 #        [--vae-tiling]
 set -euo pipefail
+# relative path arguments resolve from here first (common/cli_paths.py); kept when a recipe starts another run.sh
+export NPU_COOKBOOK_CALLER_DIR="${NPU_COOKBOOK_CALLER_DIR:-$PWD}"
 cd "$(dirname "$0")"
 ranks=$(python generate_hunyuan_video.py --world-size "$@")  # checks the arguments; exits 2 on a bad one
 if ((ranks > 1)); then

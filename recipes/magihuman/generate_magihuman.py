@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.cli_paths import input_path, output_path
+
 MODES = ("base", "distill", "sr540", "sr1080")  # pipeline_magihuman.MODES; the heavy imports wait for valid args
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # auto: common.backend.default_dtype(), which follows the device
 
@@ -58,12 +60,12 @@ def positive_float(text: str) -> float:
 
 def parser() -> ArgumentParser:
     p = ArgumentParser(prog="run.sh", description=__doc__.splitlines()[0])
-    p.add_argument("--weights", type=Path, help="model folder (default: the tiny random model set)")
+    p.add_argument("--weights", type=input_path(HERE), help="model folder (default: the tiny random model set)")
     p.add_argument("--mode", choices=MODES, default="distill",
                    help="base: 32 steps with CFG; distill: 8 steps; sr540 / sr1080: distill + latent super-resolution")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--negative-prompt", help="CFG negative prompt of the base and SR stages (default: ours, short)")
-    p.add_argument("--image", type=Path, help="first frame (text+image-to-video)")
+    p.add_argument("--image", type=input_path(HERE), help="first frame (text+image-to-video)")
     p.add_argument("--seconds", type=positive_float, help="clip length (default 0.4 tiny, 5 real)")
     p.add_argument("--size", type=parse_size, help="WIDTHxHEIGHT of the base stage (default 64x64 tiny, 448x256 real)")
     p.add_argument("--sr-size", type=parse_size, help="WIDTHxHEIGHT of the SR stage (default 2x / 4x the base size)")
@@ -71,7 +73,7 @@ def parser() -> ArgumentParser:
     p.add_argument("--offload", action="store_true", help="keep only the running stage's model on the device")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="the DiTs' and text encoder's dtype (auto: bf16 "
                    "on NPU and where the CPU's oneDNN runs bf16, fp32 on AVX2-only CPUs; the VAEs stay fp32 on CPU)")
-    p.add_argument("--out", type=Path, help="output MP4 (default outputs/magihuman/<mode>-<seed>.mp4)")
+    p.add_argument("--out", type=output_path, help="output MP4 (default outputs/magihuman/<mode>-<seed>.mp4)")
     return p
 
 

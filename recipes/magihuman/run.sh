@@ -6,5 +6,7 @@
 #                                 [--seconds S] [--size WxH] [--sr-size WxH] [--seed N] [--offload] [--out FILE]
 #                                 [--dtype auto|bf16|fp16|fp32]
 set -euo pipefail
+# relative path arguments resolve from here first (common/cli_paths.py); kept when a recipe starts another run.sh
+export NPU_COOKBOOK_CALLER_DIR="${NPU_COOKBOOK_CALLER_DIR:-$PWD}"
 cd "$(dirname "$0")"
 exec python generate_magihuman.py "$@"
