@@ -56,6 +56,8 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--weights {a.weights}: no such directory")
     read_preset(p, a)
     a.family = model_family(p, a)
+    if a.preset.get("quantization", "none") not in ("none", "w8a8", "w4a8"):
+        p.error(f"--config {a.config.name}: quantization {a.preset['quantization']!r}, expected none, w8a8 or w4a8")
     a.layout = parallel_layout(p, a)
     preset_dtype = a.preset.get("dtype", backend.AUTO)  # --dtype > the preset's dtype > auto (follows the device)
     if preset_dtype not in DTYPES:
@@ -87,7 +89,9 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     if a.layout.world_size > 1 and "WORLD_SIZE" not in os.environ:
         path = a.weights or a.family.ensure_tiny()  # once, before the ranks start
         try:
-            a.family.check_layout(a.family.model_args(Checkpoint(path).config), a.layout)
+            args = a.family.model_args(Checkpoint(path).config)
+            a.family.check_layout(args, a.layout)
+            check_quantization(a, args, path)
         except (CheckpointError, ValueError) as e:
             p.error(f"--config {a.config.name}: {e}")
         launch_ranks(a.layout.world_size)
@@ -237,6 +241,10 @@ def load(a: argparse.Namespace):
         parallel = par.init_parallel(a.layout) if a.layout.world_size > 1 else None
         mtp = a.speculative_tokens > 0
         args = family.model_args(Checkpoint(path).config)
+        try:
+            check_quantization(a, args, path)
+        except ValueError as e:
+            raise ValueError(f"--config {a.config.name}: {e}") from None
         offload = {} if a.offload is None else {"offload": a.offload, "max_tokens": config.max_num_batched_tokens}
         if a.layout.world_size == 1:  # refused here, with the arithmetic, rather than killed for memory later
             family.check_fits(args, a.dtype, backend.device(), mtp,
@@ -245,6 +253,18 @@ def load(a: argparse.Namespace):
         return model, load_tokenizer(path), config
     except (CheckpointError, ValueError, TypeError, OSError) as e:
         fail(e)
+
+
+def check_quantization(a: argparse.Namespace, args, path) -> None:
+    """The preset's `quantization:` (none | w8a8 | w4a8) names the weights format it was sized for: ValueError
+    when the checkpoint holds another (convert_checkpoint.py writes the quantized ones)."""
+    expected = a.preset.get("quantization")
+    held = args.quant_format or "none"
+    if expected is not None and expected != held:
+        name = {"none": "float"}
+        raise ValueError(f"the preset runs {name.get(expected, expected)} weights, but {path} holds "
+                         f"{name.get(held, held)} weights" + (f" (convert it: python convert_checkpoint.py --quant "
+                                                               f"{expected} SRC DST)" if expected != "none" else ""))
 
 
 def fail(e: Exception | str) -> None:

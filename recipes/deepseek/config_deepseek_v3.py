@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2")
 SPARSE_MODEL_TYPES = ("deepseek_v32",)
+QUANT_METHOD = "npu-cookbook"  # convert_checkpoint.py's quantization_config.quant_method
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -60,6 +61,7 @@ class ModelArgs:
     eos_token_id: int | list[int] | None = 1
     tie_word_embeddings: bool = False
     fp8_block: list[int] | None = None  # the publisher's FP8 block (weight_block_size), dequantized on load
+    quant_format: str | None = None  # "w8a8": a checkpoint convert_checkpoint.py wrote; None: float weights
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -113,6 +115,8 @@ class ModelArgs:
             if not self.qk_rope_head_dim <= self.index_head_dim:
                 raise ValueError(f"index_head_dim {self.index_head_dim} must hold qk_rope_head_dim "
                                  f"{self.qk_rope_head_dim}")
+        if self.quant_format not in (None, "w8a8"):
+            raise ValueError(f"quant_format {self.quant_format!r}: expected w8a8 or none")
         if self.fp8_block is not None and list(self.fp8_block) != [128, 128]:
             raise ValueError(f"fp8 weight_block_size {self.fp8_block}: only 128 x 128 blocks load")
         if self.rope_scaling is not None:
@@ -185,7 +189,9 @@ class ModelArgs:
         if "num_mtp_layers" in cfg:
             cfg.setdefault("num_nextn_predict_layers", cfg["num_mtp_layers"])
         quant = cfg.get("quantization_config") or {}
-        if quant:
+        if quant.get("quant_method") == QUANT_METHOD:  # convert_checkpoint.py's integer weights
+            cfg["quant_format"] = quant.get("format")
+        elif quant:
             if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
                 raise ValueError(f"quantization_config {quant}: only the publisher's fp8 e4m3 block format loads")
             cfg["fp8_block"] = list(quant.get("weight_block_size") or [128, 128])

@@ -1,7 +1,18 @@
-"""Convert a DeepSeek-V4 checkpoint to integer weights, W8A8 or W4A8, tensor by tensor.
+"""Convert a DeepSeek-V4 checkpoint to integer weights, W8A8 or W4A8, or a DeepSeek-V3 / R1 / V3.2 / Kimi-K2
+(MLA) one to W8A8, tensor by tensor.
 
     python recipes/deepseek/convert_checkpoint.py --quant w8a8 /data/DeepSeek-V4-Flash /data/DeepSeek-V4-Flash-w8a8
     python recipes/deepseek/convert_checkpoint.py --quant w4a8 --group-size 32 SRC DST
+    python recipes/deepseek/convert_checkpoint.py --quant w8a8 /data/DeepSeek-V3-0324 /data/DeepSeek-V3-0324-w8a8
+
+The MLA family (config.json model_type deepseek_v3, deepseek_v32, kimi_k2; the Atlas 300I Duo / 310P deployment):
+w8a8 only. Every linear of a decoder layer (MTP layers too) is int8 per output channel: q_a_proj / q_b_proj (or
+q_proj), kv_a_proj_with_mqa, o_proj, the dense and shared MLPs' gate / up / down, the routed experts (per expert
+`mlp.experts.N.*`, or transformers' stacked tensors). The publisher's FP8 (128 x 128 `weight_scale_inv`) is
+dequantized to fp32, then rounded per channel (scale = amax / 127). kv_b_proj stays float, written as one bf16
+tensor (not split per head): the absorbed attention reads its W_UK / W_UV halves as views of it, and an int8
+scale per output channel would sit on W_UK's contracted dimension. The router, norms, embedding, head, MTP eh_proj
+and V3.2's indexer are copied (FP8 ones dequantized to bf16).
 
 SRC: the published checkpoint (FP8 linears with 128x128 block `.scale`, MXFP4 routed experts) or a bf16 / fp32 one,
 in the publisher's naming or the transformers one (`model.`-prefixed, stacked `experts.gate_up_proj`); DST keeps
@@ -51,12 +62,21 @@ ATTENTION = (r"\.attn\.wq_b\.weight$", r"\.attn\.wo_b\.weight$", r"\.attn\.index
 SHARED = (r"\.ffn\.shared_experts\.w[123]\.weight$", r"\.mlp\.shared_experts\.(gate|up|down)_proj\.weight$")
 ROUTED = (r"\.ffn\.experts\.\d+\.w[123]\.weight$", r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 SCALE_SUFFIX = "_scale"
+# the MLA family (DeepSeek-V3 / R1, V3.2, Kimi-K2): w8a8 on every linear of the layers except kv_b_proj
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2")
+MLA_INT8 = (r"\.self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight$",
+            r"\.mlp\.(shared_experts\.)?(gate|up|down)_proj\.weight$",
+            r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # weights files of the source, not copied; every other top-level file (tokenizer, generation config, ...) is
 COPY_SKIP = re.compile(r"(\.safetensors|\.safetensors\.index\.json|\.bin|\.pt|\.pth)$|^config\.json$|^\.")
 
 
-def selection(quant: str) -> dict[str, tuple[str, ...]]:
-    """{"int8": patterns, "int4": patterns} of a format."""
+def selection(quant: str, model_type: str | None = None) -> dict[str, tuple[str, ...]]:
+    """{"int8": patterns, "int4": patterns} of a format for a config.json model_type (DeepSeek-V4 by default)."""
+    if model_type in MLA_MODEL_TYPES:
+        if quant != "w8a8":
+            raise ValueError(f"--quant {quant!r}: {model_type} (MLA) converts to w8a8 only")
+        return {"int8": MLA_INT8, "int4": ()}
     if quant == "w8a8":
         return {"int8": ATTENTION + SHARED + ROUTED, "int4": ()}
     if quant == "w4a8":
@@ -64,17 +84,17 @@ def selection(quant: str) -> dict[str, tuple[str, ...]]:
     raise ValueError(f"--quant {quant!r}: expected one of {', '.join(FORMATS)}")
 
 
-def plan(names, quant: str) -> dict[str, str | None]:
+def plan(names, quant: str, model_type: str | None = None) -> dict[str, str | None]:
     """Tensor name -> "int8", "int4" or None (copied as stored)."""
-    kinds = selection(quant)
+    kinds = selection(quant, model_type)
     return {name: next((kind for kind, patterns in kinds.items() if any(re.search(p, name) for p in patterns)), None)
             for name in names}
 
 
-def quantization_config(names, quant: str, group_size: int | None) -> dict:
+def quantization_config(names, quant: str, group_size: int | None, model_type: str | None = None) -> dict:
     """config.json's entry; lists the patterns that name at least one tensor of this checkpoint."""
     used = {kind: [p for p in patterns if any(re.search(p, n) for n in names)]
-            for kind, patterns in selection(quant).items()}
+            for kind, patterns in selection(quant, model_type).items()}
     weights = {"int8": used["int8"]} | ({"int4": used["int4"]} if quant == "w4a8" else {})
     return {"quant_method": QUANT_METHOD, "format": quant, "weights": weights,
             "group_size": group_size if quant == "w4a8" else None,
@@ -179,6 +199,8 @@ def convert(src, dst, quant: str, group_size: int | None = None, max_shard_bytes
     src, dst = Path(src), Path(dst)
     selection(quant)
     ckpt = Checkpoint(src)
+    model_type = ckpt.config.get("model_type")
+    selection(quant, model_type)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"{dst}: exists and is not an empty folder")
     old = ckpt.config.get("quantization_config") or {}
@@ -186,9 +208,9 @@ def convert(src, dst, quant: str, group_size: int | None = None, max_shard_bytes
         raise ValueError(f"{src}: already a {old.get('format')} checkpoint of this converter")
     group_size = check_group_size(ckpt.config, quant, group_size)
     names = ckpt.names()
-    kinds = plan(names, quant)
+    kinds = plan(names, quant, model_type)
     config = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
-    config["quantization_config"] = quantization_config(names, quant, group_size)
+    config["quantization_config"] = quantization_config(names, quant, group_size, model_type)
     copies = sorted(f for f in src.iterdir() if f.is_file() and not COPY_SKIP.search(f.name))
 
     created = not dst.exists()
@@ -223,7 +245,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def main(argv=None) -> int:
     p = ArgumentParser(prog="convert_checkpoint.py", description=__doc__.splitlines()[0])
     p.add_argument("--quant", required=True, choices=FORMATS, help="w8a8 or w4a8 (upstream's layer selection)")
-    p.add_argument("src", type=Path, help="DeepSeek-V4 checkpoint folder (FP8 + MXFP4 as published, or bf16)")
+    p.add_argument("src", type=Path, help="DeepSeek-V4 checkpoint folder (FP8 + MXFP4 as published, or bf16), or a "
+                   "DeepSeek-V3 / R1 / V3.2 / Kimi-K2 one (FP8 as published, or bf16; w8a8)")
     p.add_argument("dst", type=Path, help="output folder (new, or empty)")
     p.add_argument("--group-size", type=int, help=f"w4a8: inputs per int4 scale (default {DEFAULT_GROUP_SIZE})")
     p.add_argument("--max-shard-gib", type=float, default=SHARD_GIB, help="output shard size cap")

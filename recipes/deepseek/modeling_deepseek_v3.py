@@ -31,6 +31,13 @@ eh_proj([enorm(embedding of the next token); hnorm(hidden)]) where hidden is the
 state (or the previous draft's output), then a full decoder layer; shared_head.norm and the main LM head give its
 logits. Its latent rows live in the same cache group as the main layers'.
 
+fp16 (Atlas 300I Duo / 310P: no bf16): weights, GEMMs, the latent cache and the collectives in fp16; kept in fp32:
+the residual stream (residual_dtype), RMSNorm's statistics, the router's logits / sigmoid / top-k and the MoE
+combine (ops.moe_finalize_routing), the attention softmax (the ops' references and NPU kernels), the logits.
+W8A8 (a checkpoint convert_checkpoint.py wrote): every linear but kv_b_proj (and V3.2's indexer) is a QuantLinear
+(int8 [N, K] + fp32 scale [N], ops.quant_linear) and the routed experts int8 (ops.grouped_quant_matmul);
+activations quantized per token at run time.
+
 Graph mode: a decode step (every sequence the same few new tokens) reads no tensor on the host: the absorbed
 paged attention and the indexer pad their keys to the batch's `max_seqlen_k`.
 """
@@ -102,6 +109,40 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return ops.rms_norm(x, self.weight, self.eps)
+
+
+def residual_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The residual stream's dtype for a compute dtype: fp32 under fp16 (the sum of every layer's output outgrows
+    fp16's 65504 on real checkpoints, see fp16_ranges.py), else the compute dtype itself."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+class QuantLinear(nn.Module):
+    """W8A8 linear: int8 weight [N, K] with an fp32 scale per output channel, as convert_checkpoint.py stores them;
+    activations quantized per token at run time (ops.quant_linear). Output in the input's dtype."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.quant_linear(x, self.weight, self.weight_scale)  # [..., N]
+
+
+def linear(args: ModelArgs, in_features: int, out_features: int) -> nn.Module:
+    """A projection convert_checkpoint.py stores in int8 (every linear of a layer but kv_b_proj and V3.2's
+    indexer): QuantLinear for a w8a8 checkpoint, else a plain linear."""
+    if args.quant_format == "w8a8":
+        return QuantLinear(in_features, out_features)
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+def shard_linear(layer: nn.Module, dim: int, parallel: par.Parallel, group: str) -> None:
+    """Mark a linear's weight (and an int8 one's per-output-channel scale, when split by rows) as this rank's part."""
+    par.shard(layer.weight, dim, parallel, group)
+    if isinstance(layer, QuantLinear) and dim == 0:
+        par.shard(layer.weight_scale, 0, parallel, group)
 
 
 class KVBProj(nn.Module):
@@ -217,19 +258,20 @@ class MLAttention(nn.Module):
         self.nope, self.v_dim = a.qk_nope_head_dim, a.v_head_dim
         self.scale = a.softmax_scale
         if a.q_lora_rank is None:
-            self.q_proj = nn.Linear(a.hidden_size, H * a.qk_head_dim, bias=False)
+            self.q_proj = linear(a, a.hidden_size, H * a.qk_head_dim)
             q_out = self.q_proj
         else:
-            self.q_a_proj = nn.Linear(a.hidden_size, a.q_lora_rank, bias=False)
+            self.q_a_proj = linear(a, a.hidden_size, a.q_lora_rank)
             self.q_a_layernorm = RMSNorm(a.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(a.q_lora_rank, H * a.qk_head_dim, bias=False)
+            self.q_b_proj = linear(a, a.q_lora_rank, H * a.qk_head_dim)
             q_out = self.q_b_proj
-        self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = linear(a, a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = KVBProj(a, H)
-        self.o_proj = nn.Linear(H * a.v_head_dim, a.hidden_size, bias=False)
-        for param, dim in ((q_out.weight, 0), (self.kv_b_proj.weight, 0), (self.o_proj.weight, 1)):
-            par.shard(param, dim, parallel, "attn_tp")  # this rank's heads
+        self.o_proj = linear(a, H * a.v_head_dim, a.hidden_size)
+        shard_linear(q_out, 0, parallel, "attn_tp")  # this rank's heads
+        shard_linear(self.kv_b_proj, 0, parallel, "attn_tp")
+        shard_linear(self.o_proj, 1, parallel, "attn_tp")
         self.indexer = Indexer(a) if a.sparse else None
         self.kv_cache = None  # [num_blocks, block_size, 1, R + Dr]
         self.mode = "auto"
@@ -283,10 +325,10 @@ class MLAttention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up packed into one gate_up_proj [2I, D]. Replicated."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, args: ModelArgs, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = linear(args, hidden, 2 * intermediate)
+        self.down_proj = linear(args, intermediate, hidden)
 
     def forward(self, x):
         return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
@@ -303,13 +345,27 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's E routed experts, stacked: gate_up_proj [E, gate | up, D], down_proj [E, D, I]."""
+    """This rank's E routed experts, stacked: gate_up_proj [E, gate | up, D], down_proj [E, D, I]; float, or int8
+    with an fp32 scale per output channel (`gate_up_proj_scale` [E, 2I], `down_proj_scale` [E, D]) for w8a8."""
 
     def __init__(self, args: ModelArgs, E: int):
         super().__init__()
         I, D = args.moe_intermediate_size, args.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
-        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+        if args.quant_format is None:
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
+            self.down_proj = nn.Parameter(torch.empty(E, D, I))
+            self.gate_up_proj_scale = self.down_proj_scale = None
+            return
+        for name, (n, k) in (("gate_up_proj", (2 * I, D)), ("down_proj", (D, I))):
+            self.register_buffer(name, torch.zeros(E, n, k, dtype=torch.int8))
+            self.register_buffer(f"{name}_scale", torch.ones(E, n, dtype=torch.float32))
+
+    def matmul(self, x: torch.Tensor, which: str, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [M, K] sorted by expert -> [M, N] through gate_up_proj or down_proj."""
+        weight, scale = getattr(self, which), getattr(self, f"{which}_scale")
+        if scale is None:
+            return ops.grouped_matmul(x, weight, tokens_per_expert)
+        return ops.grouped_quant_matmul(x, weight, scale, tokens_per_expert)
 
 
 class MoE(nn.Module):
@@ -326,7 +382,7 @@ class MoE(nn.Module):
         self.gate = Router(args)
         self.experts = Experts(args, args.n_routed_experts // self.ep_size)
         shared = args.moe_intermediate_size * args.n_shared_experts
-        self.shared_experts = MLP(args.hidden_size, shared) if shared else None
+        self.shared_experts = MLP(args, args.hidden_size, shared) if shared else None
 
     def forward(self, x: torch.Tensor, uniform: bool = False) -> torch.Tensor:
         """x [T, D] (the same on every attention-TP rank) -> [T, D]. uniform: every rank runs T tokens (a
@@ -345,8 +401,8 @@ class MoE(nn.Module):
         xs, row_idx, counts = ops.moe_init_routing(x_r, idx, a.n_routed_experts)  # [T_r*k, D] by global expert
         capacity = runs[0].shape[0] * a.num_experts_per_tok if uniform else None  # the largest share's rows
         xe, local_counts, handle = par.dispatch_to_experts(xs, counts, self.ep_group, capacity)  # [M, D]
-        h = ops.swiglu(ops.grouped_matmul(xe, self.experts.gate_up_proj, local_counts))  # [M, I]
-        y = par.combine_from_experts(ops.grouped_matmul(h, self.experts.down_proj, local_counts), handle,
+        h = ops.swiglu(self.experts.matmul(xe, "gate_up_proj", local_counts))  # [M, I]
+        y = par.combine_from_experts(self.experts.matmul(h, "down_proj", local_counts), handle,
                                      self.ep_group)  # [T_r*k, D]
         shared = self.shared_experts(x_r) if self.shared_experts is not None else None
         out = ops.moe_finalize_routing(y, weights, row_idx, shared)  # [T_r, D]
@@ -357,14 +413,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, sparse_mlp: bool, parallel: par.Parallel):
         super().__init__()
         self.self_attn = MLAttention(args, parallel)
-        self.mlp = MoE(args, parallel) if sparse_mlp else MLP(args.hidden_size, args.intermediate_size)
+        self.mlp = MoE(args, parallel) if sparse_mlp else MLP(args, args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, D] -> [T, D]"""
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch)
-        h = self.post_attention_layernorm(x)
+        """x [T, D] the residual stream (fp32 under fp16 compute: residual_dtype) -> [T, D] in x's dtype; the
+        sublayers compute in the weights' dtype, their outputs added to x in x's dtype."""
+        dt = self.input_layernorm.weight.dtype
+        x = x + self.self_attn(self.input_layernorm(x).to(dt), rope, batch)
+        h = self.post_attention_layernorm(x).to(dt)
         return x + (self.mlp(h, batch.uniform_across_ranks) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
@@ -406,8 +464,10 @@ class MTPLayer(DecoderLayer):
         embeds [T, D] (token t+1's) -> this layer's output [T, 1, D], before shared_head.norm. The embedding at
         position 0 is zeroed (nothing precedes it to predict from), as upstream does."""
         embeds = torch.where(batch.positions.unsqueeze(-1) == 0, 0, embeds)
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(streams[:, 0])], dim=-1))  # [T, D]
-        return super().forward(x, self.rope.tables(batch.positions), batch).unsqueeze(1)  # [T, 1, D]
+        dt = self.eh_proj.weight.dtype
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(streams[:, 0]).to(dt)], dim=-1))  # [T, D]
+        x = super().forward(x.to(residual_dtype(dt)), self.rope.tables(batch.positions), batch)  # [T, D]
+        return x.to(dt).unsqueeze(1)  # [T, 1, D]
 
     def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
         """[T, 1, D] -> the normed hidden state [T, D] for the shared head."""
@@ -498,10 +558,12 @@ class DeepseekV3(nn.Module):
         """The final normed hidden states as one stream [T, 1, D]: what the MTP layer reads (the speculative-
         decoding contract's [T, n, D], n = 1: no hyper-connections)."""
         x = self.embed_tokens(batch.input_ids, batch.uniform_across_ranks)  # [T, D]
+        dt = x.dtype
+        x = x.to(residual_dtype(dt))
         rope = self.rope.tables(batch.positions)
         for layer in self.model.layers:
             x = layer(x, rope, batch)  # [T, D]
-        return self.model.norm(x).unsqueeze(1)  # [T, 1, D]
+        return self.model.norm(x).to(dt).unsqueeze(1)  # [T, 1, D]
 
     def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
         """[T, 1, D] -> [T, D] for the LM head."""

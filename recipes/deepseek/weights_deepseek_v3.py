@@ -21,12 +21,12 @@ from common.loader import Checkpoint, CheckpointError, load_weights
 from config_deepseek_v3 import ModelArgs
 from modeling_deepseek_v3 import DeepseekV3
 
-_EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-_GATE_UP = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight$")
+_EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight(_scale)?$")
+_GATE_UP = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight(_scale)?$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MTP_SHARED = ("embed_tokens.", "shared_head.head.")  # an MTP layer's copies of the main embedding / LM head
-STACKED = (".experts.gate_up_proj", ".experts.down_proj")
-PACKED = STACKED + ("gate_up_proj.weight",)  # filled slice by slice
+STACKED = (".experts.gate_up_proj", ".experts.down_proj", ".experts.gate_up_proj_scale", ".experts.down_proj_scale")
+PACKED = STACKED + ("gate_up_proj.weight", "gate_up_proj.weight_scale")  # filled slice by slice
 
 
 def rename(name: str, num_layers: int, num_mtp: int = 0, experts: tuple[int, int, int] | None = None):
@@ -42,13 +42,14 @@ def rename(name: str, num_layers: int, num_mtp: int = 0, experts: tuple[int, int
         local = int(m[2]) - (0 if experts is None else experts[0] * experts[2])
         if experts is not None and not 0 <= local < experts[2]:
             return None  # another rank's expert: never read
+        suffix = "_scale" if m[4] else ""  # a w8a8 checkpoint's per-channel scale goes where its weight goes
         if m[3] == "down":
-            return f"{m[1]}.down_proj", (local, None)
-        return f"{m[1]}.gate_up_proj", (local, 0 if m[3] == "gate" else 1)
+            return f"{m[1]}.down_proj{suffix}", (local, None)
+        return f"{m[1]}.gate_up_proj{suffix}", (local, 0 if m[3] == "gate" else 1)
     if experts is not None and experts[1] > 1 and name.endswith(STACKED):
         return name, None, (0, experts[0], experts[1])  # transformers' stacked [E, ...]: this rank's experts
     if m := _GATE_UP.match(name):
-        return f"{m[1]}.gate_up_proj.weight", 0 if m[2] == "gate" else 1
+        return f"{m[1]}.gate_up_proj.weight{m[3] or ''}", 0 if m[2] == "gate" else 1
     return name, None
 
 
@@ -78,7 +79,9 @@ def torch_default_dtype(dtype: torch.dtype):
 
 def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None, mtp: bool = False) -> DeepseekV3:
     """DeepseekV3 from a checkpoint folder (model_type deepseek_v3, deepseek_v32 or kimi_k2), FP8 dequantized;
-    float tensors in `dtype` except the router and its bias, kept fp32 as upstream. With a
+    float tensors in `dtype` except the router and its bias, kept fp32 as upstream. A w8a8 checkpoint
+    (convert_checkpoint.py) loads its int8 weights and fp32 per-channel scales as stored. dtype float16 (Atlas
+    300I / 310P, no bf16): fp16 weights and GEMMs, the residual stream in fp32 (modeling_deepseek_v3.residual_dtype). With a
     common.parallel.Parallel, this rank's slice, reading only the parts of the tensors it holds. mtp: also the
     MTP layers (CheckpointError if config.json has none). `model.checkpoint_reads`: {stored name: bytes read}."""
     ckpt = Checkpoint(path)
@@ -87,7 +90,7 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel
         raise CheckpointError(f"{path}: num_nextn_predict_layers is 0 in config.json: the checkpoint has no MTP layer")
     with torch_default_dtype(dtype), torch.device(device):
         model = DeepseekV3(args, parallel, mtp=mtp)
-    for name, tensor in model.named_parameters():
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if name.endswith(PACKED):
             tensor.weight_loader = _packed_loader
     moe = next((layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")), None)
