@@ -13,11 +13,11 @@ import torch
 from transformers import AutoTokenizer
 
 from common.engine import LLM, SamplingParams
-from common.engine.spec_decode import MTPProposer
 from common.loader import Checkpoint, CheckpointError
 from config_deepseek_v3 import ModelArgs, cache_bytes_per_token
 from tiny_deepseek_v3 import tiny_config, write_tiny_checkpoint
 from weights_deepseek_v3 import load_model
+from mtp_oracle import OracleProposer
 
 NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
@@ -54,28 +54,6 @@ def check_equal(outs, plain):
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
 
 
-class Oracle(MTPProposer):
-    """The real proposer's forwards, then the plain run's tokens as drafts (every third step's last one wrong)."""
-
-    def __init__(self, base: MTPProposer, reference: dict[tuple[int, ...], list[int]], vocab: int):
-        super().__init__(base.model, base.k, base.block_size, base.max_model_len)
-        self.reference, self.vocab, self.calls = reference, vocab, 0
-
-    def propose(self, scheduled, streams, offsets, block_tables):
-        real = super().propose(scheduled, streams, offsets, block_tables)
-        out = {}
-        for s in scheduled:
-            req = s.request
-            if req.request_id in real:
-                self.calls += 1
-                n = len(req.output_token_ids)
-                drafts = self.reference[tuple(req.prompt_token_ids)][n: n + len(real[req.request_id])]
-                if drafts and self.calls % 3 == 0:
-                    drafts[-1] = (drafts[-1] + 1) % self.vocab
-                out[req.request_id] = drafts
-        return out
-
-
 @pytest.mark.parametrize("variant, k, engine_kwargs", [
     ("v3", 1, {}), ("v3", 3, {}),
     ("v3", 3, {"max_num_batched_tokens": 8}),  # prompt chunks beside verify steps
@@ -96,7 +74,7 @@ def test_accepted_drafts_commit_exactly_the_plain_tokens(setup, variant, k):
     model, tok, plain = setup[variant]
     llm = LLM(model, tok, block_size=16, num_speculative_tokens=k)
     reference = {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}
-    llm.engine.proposer = Oracle(llm.engine.proposer, reference, model.args.vocab_size)
+    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference)
     check_equal(llm.generate(PROMPTS, GREEDY, use_tqdm=False), plain)
     stats = llm.engine.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both paths taken

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoTokenizer
 
 from common.engine import LLM, SamplingParams
-from common.engine.spec_decode import MTPProposer
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
+from mtp_oracle import OracleProposer
 
 NEW = 30
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
@@ -29,27 +29,6 @@ def setup(tmp_path_factory):
     model = load_model(path, torch.float32, mtp=True)
     plain = LLM(model, tok, block_size=16).generate(prompts, GREEDY, use_tqdm=False)
     return model, tok, prompts, plain
-
-
-class Oracle(MTPProposer):
-    def __init__(self, base: MTPProposer, reference: dict[tuple[int, ...], list[int]], vocab: int):
-        super().__init__(base.model, base.k, base.block_size, base.max_model_len)
-        self.reference, self.vocab, self.calls = reference, vocab, 0
-
-    def propose(self, scheduled, streams, offsets, block_tables):
-        real = super().propose(scheduled, streams, offsets, block_tables)
-        out = {}
-        for s in scheduled:
-            req = s.request
-            if req.request_id in real:
-                self.calls += 1
-                ref = self.reference[tuple(req.prompt_token_ids)]
-                n = len(req.output_token_ids)
-                drafts = ref[n: n + len(real[req.request_id])]
-                if drafts and self.calls % 3 == 0:
-                    drafts[-1] = (drafts[-1] + 1) % self.vocab
-                out[req.request_id] = drafts
-        return out
 
 
 DRAFTS = pytest.mark.parametrize("k", [1, 3])
@@ -82,7 +61,7 @@ def test_accepted_and_rejected_drafts_commit_exactly_the_plain_tokens(setup, k, 
     model, tok, prompts, plain = setup
     llm = LLM(model, tok, block_size=16, num_speculative_tokens=k, **engine_kwargs)
     reference = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
-    llm.engine.proposer = Oracle(llm.engine.proposer, reference, model.args.vocab_size)
+    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference)
     check_equal(llm.generate(prompts, GREEDY, use_tqdm=False), plain)
     stats = llm.engine.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both paths taken
@@ -102,7 +81,7 @@ def test_graph_mode_verifies_the_drafts_in_its_graphs(setup):
     assert graphs.query_len == 3
     check_equal(llm.generate(prompts, GREEDY, use_tqdm=False), plain)
     reference = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
-    llm.engine.proposer = Oracle(llm.engine.proposer, reference, model.args.vocab_size)
+    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference)
     before = graphs.replays[4]
     check_equal(llm.generate(prompts[:1], GREEDY, use_tqdm=False), plain[:1])
     assert 0 < before < graphs.replays[4]

@@ -11,9 +11,9 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from common.engine import LLM, SamplingParams, StructuredOutputManager, StructuredOutputsParams
-from common.engine.spec_decode import MTPProposer
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
+from mtp_oracle import OracleProposer
 
 # (no maxLength: xgrammar 0.2.9's length-bounded strings admit raw control characters, which JSON forbids)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,4}$"},
@@ -118,29 +118,6 @@ def test_reasoning_end_token_starts_the_constraint(setup):
     assert re.fullmatch("[0-9]{4}", answer) and out.finish_reason == "stop"  # constrained right after it
 
 
-class Oracle(MTPProposer):
-    """The real proposer (its KV writes included), its drafts replaced by a reference run's tokens, the last one of
-    every third call corrupted: verification accepts 0..k drafts."""
-
-    def __init__(self, base: MTPProposer, reference: dict[tuple[int, ...], list[int]]):
-        super().__init__(base.model, base.k, base.block_size, base.max_model_len)
-        self.reference, self.calls = reference, 0
-
-    def propose(self, scheduled, streams, offsets, block_tables):
-        real = super().propose(scheduled, streams, offsets, block_tables)
-        out = {}
-        for s in scheduled:
-            req = s.request
-            if req.request_id in real:
-                self.calls += 1
-                n = len(req.output_token_ids)
-                drafts = self.reference[tuple(req.prompt_token_ids)][n: n + len(real[req.request_id])]
-                if drafts and self.calls % 3 == 0:
-                    drafts[-1] = (drafts[-1] + 1) % self.model.args.vocab_size
-                out[req.request_id] = drafts
-        return out
-
-
 class Recording(StructuredOutputManager):
     """Counts the verify windows that hold the reasoning boundary, and those with a draft the grammar refuses."""
 
@@ -171,7 +148,7 @@ def test_mtp_drafts_under_a_grammar_equal_plain_decoding(setup):
         spec = LLM(model, tok, block_size=16, num_speculative_tokens=2)
         engine = spec.engine
         if oracle:  # drafts right for a while: the reasoning boundary falls inside the draft window
-            engine.proposer = Oracle(engine.proposer, reference)
+            engine.proposer = OracleProposer(engine.proposer, reference)
             engine.structured_output = Recording(tok, model)
         outs = spec.generate(inputs, batch, use_tqdm=False)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

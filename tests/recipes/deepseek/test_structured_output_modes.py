@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 from common.engine import LLM, SamplingParams, StructuredOutputsParams
 from common.parallel import LLMParallelLayout, destroy_parallel, init_parallel
 from dist_helpers import run_ranks
-from test_structured_output_engine import Oracle, Recording
+from mtp_oracle import OracleProposer
+from test_structured_output_engine import Recording
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
@@ -152,7 +153,7 @@ def test_seeded_mtp_with_the_reasoning_end_inside_a_draft_window(checkpoint, tok
     prompts = [PROMPTS[1] + [think], PROMPTS[2] + [think]]
     params = [reasoning_params(plain, p, temperature=0.7, seed=s) for p, s in zip(prompts, (3, 4))]
     reference = {tuple(p): o.token_ids for p, o in zip(prompts, plain.generate(prompts, params, use_tqdm=False))}
-    engine.proposer = Oracle(engine.proposer, reference)
+    engine.proposer = OracleProposer(engine.proposer, reference)
     engine.structured_output = Recording(tok, model)
     outs = spec.generate(prompts, params, use_tqdm=False)
     answered = 0
