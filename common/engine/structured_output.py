@@ -36,6 +36,9 @@ import xgrammar as xgr
 from .sampling_params import StructuredOutputsParams
 
 MAX_THREADS = min(8, max(1, (os.cpu_count() or 2) // 2))  # xgrammar's compile and batch-fill threads
+# whitespace a JSON grammar allows in one run (between two tokens of the JSON): room for pretty-printing four levels
+# deep, and a bound on the run where a weak or unlucky sample would wander in whitespace until max_tokens
+JSON_MAX_WHITESPACE = 16
 CACHE_LIMIT_BYTES = 512 << 20  # compiled grammars kept (vLLM's default VLLM_XGRAMMAR_CACHE_MB)
 # string formats xgrammar 0.2.9 enforces; others (idn-email, iri, regex, unknown ones) it would silently ignore
 JSON_FORMATS = {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
@@ -83,11 +86,10 @@ class StructuredOutputManager:
                                  f"{'; '.join(unsupported)}")
             value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         try:
-            if kind == "json":
-                return self.compiler.compile_json_schema(value, any_whitespace=not params.disable_any_whitespace)
-            if kind == "json_object":
-                return self.compiler.compile_json_schema('{"type": "object"}',
-                                                         any_whitespace=not params.disable_any_whitespace)
+            if kind in ("json", "json_object"):
+                return self.compiler.compile_json_schema(value if kind == "json" else '{"type": "object"}',
+                                                         any_whitespace=not params.disable_any_whitespace,
+                                                         max_whitespace_cnt=JSON_MAX_WHITESPACE)
             if kind == "regex":
                 return self.compiler.compile_regex(value)
             if kind == "choice":

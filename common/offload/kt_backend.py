@@ -39,6 +39,11 @@ def kt_cpu_detect():
     return detect
 
 
+def denormals_flushed() -> bool:
+    """Whether this thread's floating-point unit flushes subnormal numbers to zero."""
+    return bool(torch.tensor([1e-40], dtype=torch.float32).mul(1).eq(0).item())  # 1e-40 is subnormal in fp32
+
+
 @functools.cache
 def load_kt_kernel():
     """(kt_kernel_ext, cpu variant, None) or (None, None, the one-line reason it cannot run here)."""
@@ -50,7 +55,10 @@ def load_kt_kernel():
             ext = sys.modules["kt_kernel_ext"]
             variant = str(getattr(ext, "__cpu_variant__", "unknown"))
         else:
+            flushed = denormals_flushed()
             ext, variant = detect.initialize()
+            if not flushed and denormals_flushed():  # its library, built with -ffast-math, set FTZ / DAZ on load:
+                torch.set_flush_denormal(False)  # for the whole thread, every later computation included
     except (ImportError, OSError, RuntimeError) as e:
         return None, None, f"kt-kernel's extension does not load here: {str(e).splitlines()[0]}"
     if not any(hasattr(ext.moe, cls) for cls in KERNELS.values()):
