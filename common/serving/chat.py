@@ -117,9 +117,7 @@ class OpenAIServingChat:
                 return {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs(i, out),
                                              "finish_reason": finish_reason(i, out)}]}
 
-            def usage_chunk(finals):
-                return {**head, "choices": [], "usage": s.usage(prompts, finals)}
-            return s.chunk_stream(started, arrival, make_chunk, usage_chunk if body.include_usage else None)
+            return s.chunk_stream(started, arrival, make_chunk, head, prompts if body.include_usage else None)
 
         finals = await s.generate_whole(prompts, params, body.n, request_id, arrival, raw)
         if finals is None:

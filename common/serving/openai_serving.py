@@ -155,9 +155,11 @@ class OpenAIServing:
         finally:
             self.metrics.count(outcome)
 
-    def chunk_stream(self, started, arrival: float, make_chunk, usage_chunk=None) -> StreamingResponse:
+    def chunk_stream(self, started, arrival: float, make_chunk, head: dict, prompts: list[list[int]] | None = None
+                     ) -> StreamingResponse:
         """The completions / chat stream: `data:` chunks make_chunk(i, out) builds (None: nothing to send), a
-        failed choice's chunk then an error event, the usage chunk usage_chunk(finals) if given, `data: [DONE]`."""
+        failed choice's chunk then an error event, with prompts (stream_options.include_usage) a last chunk of
+        `head` with no choices and the usage, then `data: [DONE]`."""
         async def events(outputs):
             finals = {}
             async for i, out in outputs:
@@ -170,8 +172,8 @@ class OpenAIServing:
                     yield sse(error_event(out.error)) + DONE
                     yield FAILED
                     return
-            if usage_chunk is not None:
-                yield sse(usage_chunk(finals))
+            if prompts is not None:
+                yield sse({**head, "choices": [], "usage": self.usage(prompts, finals)})
             yield DONE
         return self.stream(started, arrival, events, DONE)
 

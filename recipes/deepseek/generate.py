@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     except ValueError as e:  # settings that can never run (checked when the engine is built)
         fail(e)
     prompts = [line.strip() for line in a.prompts.read_text().splitlines() if line.strip()]
-    chat = a.family.chat_format() or TemplateChatFormat(tokenizer)  # the prompts as the server would render them
+    # the prompts as the server renders them: the family's chat format, else the tokenizer's template
+    chat = a.family.chat_format() if a.family.chat_format else TemplateChatFormat(tokenizer)
     texts = [chat.encode(Conversation([{"role": "user", "content": p}])).text for p in prompts]
     counter = None
     if a.record_routing is not None:

@@ -1,7 +1,7 @@
 """Which model a checkpoint is, and the modules that serve it: DeepSeek-V4 (modeling_deepseek_v4) or the MLA family
 (DeepSeek-V3 / R1, V3.2, Kimi-K2: modeling_deepseek_v3), chosen by config.json's model_type, or by `--model` /
 a preset's `model:` for the tiny checkpoints. Each family brings its own config, layout check, loader, memory
-check, tiny writer and chat format; the command lines and the server only go through this table."""
+check, tiny writer and chat format (V4: the publisher's encoding; the MLA family: the tokenizer's template); the command lines and the server only go through this table."""
 from __future__ import annotations
 
 import json
@@ -19,6 +19,7 @@ import tiny_deepseek_v3
 import tiny_deepseek_v4
 import weights_deepseek_v3
 import weights_deepseek_v4
+from chat_format_deepseek_v4 import DeepseekV4ChatFormat
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "weights"
 
@@ -33,6 +34,7 @@ class ModelFamily:
     check_fits: Callable  # (args, dtype, device, mtp, ...): ValueError with the arithmetic
     write_tiny: Callable  # (path): the tiny random checkpoint
     tiny_is_current: Callable  # (path): written by this revision of the writer
+    chat_format: Callable | None = None  # () -> the server's ChatFormat; None: the tokenizer's chat template
     supports_offload: bool = False
     tiny_kwargs: dict = field(default_factory=dict)
 
@@ -46,17 +48,11 @@ class ModelFamily:
             self.write_tiny(self.tiny, **self.tiny_kwargs)
         return self.tiny
 
-    def chat_format(self):
-        """The server's ChatFormat: DeepSeek-V4's own encoding; the MLA family's tokenizer chat template."""
-        if self.name == "deepseek-v4":
-            from chat_format_deepseek_v4 import DeepseekV4ChatFormat
-            return DeepseekV4ChatFormat()
-        return None  # build_app falls back to TemplateChatFormat(tokenizer)
-
 
 V4 = ModelFamily("deepseek-v4", ("deepseek_v4",), config_deepseek_v4.ModelArgs.from_config,
                  modeling_deepseek_v4.check_layout, weights_deepseek_v4.load_model, weights_deepseek_v4.check_fits,
-                 tiny_deepseek_v4.write_tiny_checkpoint, tiny_deepseek_v4.is_current, supports_offload=True)
+                 tiny_deepseek_v4.write_tiny_checkpoint, tiny_deepseek_v4.is_current,
+                 chat_format=DeepseekV4ChatFormat, supports_offload=True)
 V3_FAMILY = [ModelFamily(name, types, config_deepseek_v3.ModelArgs.from_config, modeling_deepseek_v3.check_layout,
                          weights_deepseek_v3.load_model, weights_deepseek_v3.check_fits,
                          tiny_deepseek_v3.write_tiny_checkpoint, tiny_deepseek_v3.is_current,

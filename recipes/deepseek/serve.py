@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         par.destroy_parallel()
         return 0
     app = build_app(async_engine, tokenizer, a.served_model_name or Path(path).resolve().name, api_key=a.api_key,
-                    chat_format=a.family.chat_format())
+                    chat_format=a.family.chat_format() if a.family.chat_format else None)
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
                                            timeout_graceful_shutdown=a.drain_timeout))
     # uvicorn re-raises the signal it shut down on; a no-op handler then makes a clean exit 0

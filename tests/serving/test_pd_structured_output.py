@@ -140,3 +140,26 @@ def test_top_logprobs_beyond_what_the_grammar_allows_are_json(pd, colocated_serv
     assert status == 200
     events = [line[len(b"data: "):] for line in raw.split(b"\n") if line.startswith(b"data: {")]
     assert events and all(strict_json(e) for e in events)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+
+
+def test_a_forced_tool_call_through_the_pd_router_equals_colocated_streamed_or_not(pd, colocated):  # noqa: F811
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris for 3 days?"}], tools=TOOLS,
+              tool_choice="required", max_tokens=300, temperature=0)
+    ref, got = colocated.chat.completions.create(**kw), via_router(pd).chat.completions.create(**kw)
+    assert got.choices[0].finish_reason == ref.choices[0].finish_reason == "tool_calls"
+    call, want = got.choices[0].message.tool_calls[0], ref.choices[0].message.tool_calls[0]
+    assert (call.function.name, call.function.arguments) == (want.function.name, want.function.arguments)
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    pieces = {}
+    for chunk in via_router(pd).chat.completions.create(stream=True, **kw):
+        for piece in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            name, args = pieces.get(piece.index, ("", ""))
+            pieces[piece.index] = (name + (piece.function.name or ""), args + (piece.function.arguments or ""))
+    assert pieces[0] == (call.function.name, call.function.arguments)  # streamed == whole
+    assert wait_until(lambda: pools_full(pd["p"], pd["d"]))

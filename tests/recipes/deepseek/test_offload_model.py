@@ -222,3 +222,41 @@ def test_generate_records_routing_then_runs_offloaded_from_it(ckpt, tmp_path, ca
     assert "offload=2/8 placement=frequency host=torch" in out
     texts = lambda s: [line for line in s.splitlines() if line.startswith("'")]  # noqa: E731
     assert texts(out) == texts(plain)
+
+
+def bf16_slot_swap_error(path) -> float:
+    """Load the offloaded model in bf16 and pack it as the engine does (oneDNN-packed experts where this CPU runs
+    bf16 GEMMs, dense elsewhere), put new weights into slot 0 of a MoE layer, and return the largest relative error
+    of that slot's grouped matmul against the plain product with the new weights."""
+    from common import cpu_gemm
+    model = load_model(path, torch.bfloat16, offload=MoEOffloadConfig(2, placement="dynamic"))
+    cpu_gemm.pack_model(model)
+    experts = next(iter(model.moe_layers().values())).experts
+    assert isinstance(experts.w13, cpu_gemm.PackedExperts) == cpu_gemm.supported()  # the path this CPU takes
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = (torch.randn(t.shape[1:], generator=g).to(torch.bfloat16) for t in (experts.w13, experts.w2))
+    experts.set_slot(0, w13, w2)
+    x = torch.randn(5, w13.shape[1], generator=g).to(torch.bfloat16)  # [M, D], every row to slot 0
+    counts = torch.zeros(experts.w13.shape[0], dtype=torch.int64)
+    counts[0] = x.shape[0]
+    got = experts.matmul(x, "w13", counts).float()  # [M, 2I]
+    want = x.float() @ w13.float().T
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def test_bf16_slots_take_new_experts_packed_and_dense(ckpt):
+    """Dynamic placement writes slots into oneDNN's packed stack on CPUs with bf16 GEMMs and into the dense one on
+    AVX2-only CPUs: both, here and in an AVX2-only process (the other CPU kind)."""
+    import os
+    import subprocess
+    import sys
+    assert bf16_slot_swap_error(ckpt) < 2e-2
+    code = ("import sys; from test_offload_model import bf16_slot_swap_error; "
+            f"e = bf16_slot_swap_error({str(ckpt)!r}); print(e); sys.exit(0 if e < 2e-2 else 1)")
+    here = os.path.dirname(__file__)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(here)))
+    path = os.pathsep.join([here, os.path.join(root, "recipes", "deepseek"), root])
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                                             "ATEN_CPU_CAPABILITY": "avx2", "PYTHONPATH": path},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
