@@ -41,6 +41,7 @@ from common import parallel as par
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
+from .model_contract import ModelContract
 
 
 RECOMPILE_LIMIT = 256  # compiled decode graphs a process may hold, all graph engines together
@@ -55,24 +56,26 @@ def inductor_options() -> dict:
     return {"cpp.simdlen": isa.bit_width()} if isa else {}
 
 
-def decode_step(model, batch: ForwardBatch, keep_streams: bool):
-    """What a bucket runs: the logits of every row [T, V] (T = bucket * query_len) and, for the MTP drafts, the
-    residual streams [T, n, D]."""
-    if keep_streams:
-        streams = model.residual_streams(batch)  # [T, n, D]
-        return model.compute_logits(model.final_hidden(streams), uniform=True), streams
+def decode_step(model, mtp, batch: ForwardBatch):
+    """What a bucket runs: the logits of every row [T, V] (T = bucket * query_len) and, where the MTP drafts need
+    them (mtp: the model's MTPDraftModel, else None), the residual streams [T, n, D]."""
+    if mtp is not None:
+        streams = mtp.residual_streams(batch)  # [T, n, D]
+        return model.compute_logits(mtp.final_hidden(streams), uniform=True), streams
     return model.compute_logits(model(batch), uniform=True), None
 
 
 class GraphRunner:
-    def __init__(self, model, config: EngineConfig, groups: list[str], device: torch.device, keep_streams: bool):
-        """groups: the model's cache groups (the padding sequences get an empty table in each)."""
+    def __init__(self, model, contract: ModelContract, config: EngineConfig, groups: list[str], device: torch.device,
+                 keep_streams: bool):
+        """groups: the model's cache groups (the padding sequences get an empty table in each); keep_streams: the
+        steps return the residual streams too (contract.mtp's, for the MTP drafts)."""
         if device.type not in ("cpu", "cuda"):
             raise ValueError(
                 f"exe_mode graph runs on CPU (torch.compile) and CUDA (torch.compile, then a CUDA graph per bucket) in "
                 f"this version, not on {device.type}: an NPU graph needs the attention's host sequence lengths "
                 "updated at every replay (torchair's npugraph_ex), which is not built; run exe_mode eager")
-        parallel = getattr(model, "parallel", None)
+        parallel = contract.parallel
         self.dp_group = parallel.group("attn_dp") if parallel is not None else None
         self.sizes = config.graph_capture_sizes
         self.block_size, self.max_seqlen_k = config.block_size, config.max_model_len
@@ -83,7 +86,8 @@ class GraphRunner:
         self.device = device
         self.replays = dict.fromkeys(self.sizes, 0)  # bucket -> steps it ran
         self.capture_seconds: float | None = None
-        self._compiled = torch.compile(lambda batch: decode_step(model, batch, keep_streams),
+        mtp = contract.mtp if keep_streams else None
+        self._compiled = torch.compile(lambda batch: decode_step(model, mtp, batch),
                                        fullgraph=True, dynamic=False, options=inductor_options())
         self._model = model
         self._captured_caches: list[int] = []  # the cache tensors the graphs were built over

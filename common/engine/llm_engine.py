@@ -94,7 +94,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, kv_connector=None):
         self.model, self.tokenizer, self.kv_connector = model, tokenizer, kv_connector
-        config = (config or EngineConfig()).resolve(model.args.max_position_embeddings)
+        self.contract = contract = model.engine_contract()
+        config = (config or EngineConfig()).resolve(contract.max_position_embeddings)
         specs = model.cache_specs(config.block_size)
         num_blocks = ({s.name: config.num_blocks for s in specs} if config.num_blocks
                       else blocks_that_fit(model, config))
@@ -105,24 +106,30 @@ class LLMEngine:
                            config.max_model_len)
             config = dataclasses.replace(config, max_model_len=capacity)
         self.config = config  # final: the cache is sized from these numbers and they never change
-        self.parallel = getattr(model, "parallel", None) or par.Parallel(par.LLMParallelLayout())
+        self.parallel = contract.parallel or par.Parallel(par.LLMParallelLayout())
         self.dp_group, tp_group = self.parallel.group("attn_dp"), self.parallel.group("attn_tp")
-        self.proposer = None
+        self.proposer = None  # MTP drafts (speculative decoding)
         if config.num_speculative_tokens:
-            self.proposer = MTPProposer(model, config.num_speculative_tokens, config.block_size, config.max_model_len,
+            if contract.mtp is None:
+                raise ValueError("speculative decoding needs the model's MTP layer (load_model(..., mtp=True) with a "
+                                 "checkpoint whose num_nextn_predict_layers >= 1)")
+            self.runner = ModelRunner(model, contract, config, num_blocks, keep_streams=True)
+            self.proposer = MTPProposer(contract.mtp, [s.name for s in specs], self.runner.device,
+                                        config.num_speculative_tokens, config.block_size, config.max_model_len,
                                         lockstep=par.group_size(self.dp_group) > 1)
-        self.runner = ModelRunner(model, config, num_blocks, keep_streams=self.proposer is not None)
+        else:
+            self.runner = ModelRunner(model, contract, config, num_blocks)
         self.kv_cache = KVCacheManager(self.runner.specs, self.runner.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
         generator = None
         if par.group_size(tp_group) > 1:  # TP peers draw the same noise: one seed, from the group's first rank
             generator = make_generator(par.broadcast_int(random.SystemRandom().getrandbits(62), tp_group))
         self.sampler = Sampler(generator)
-        self.eos_token_ids = set(model.args.eos_token_ids)
+        self.eos_token_ids = set(contract.eos_token_ids)
         self.structured_output = None  # the grammar compiler and masks; None without a tokenizer
         if tokenizer is not None:
-            self.structured_output = StructuredOutputManager(tokenizer, model.args.vocab_size,
-                                                             model.args.eos_token_ids)
+            self.structured_output = StructuredOutputManager(tokenizer, contract.vocab_size,
+                                                             list(contract.eos_token_ids))
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -145,8 +152,8 @@ class LLMEngine:
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model accepts at most "
                              f"{self.config.max_model_len - 1} (max_model_len {self.config.max_model_len})")
-        if not all(isinstance(t, int) and 0 <= t < self.model.args.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {self.model.args.vocab_size})")
+        if not all(isinstance(t, int) and 0 <= t < self.contract.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {self.contract.vocab_size})")
         if params.structured_outputs is not None:
             if self.structured_output is None:
                 raise ValueError("structured_outputs needs the engine's tokenizer")
@@ -193,7 +200,7 @@ class LLMEngine:
             self.scheduler.finish(req, reason)
             req.grammar = None
         else:
-            self.sampler.skip(req.sampling_params, req.generator, self.model.args.vocab_size)  # as if sampled here
+            self.sampler.skip(req.sampling_params, req.generator, self.contract.vocab_size)  # as if sampled here
         return self._output(req)
 
     def fail_remote_prefill(self, request_id: str, error: str | None) -> RequestOutput | None:

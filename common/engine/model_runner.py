@@ -10,6 +10,7 @@ from common import backend, cpu_gemm
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
 from .graph_runner import GraphRunner
+from .model_contract import CausalLM, ModelContract
 from .scheduler import ScheduledRequest
 
 
@@ -48,15 +49,16 @@ def blocks_that_fit(model, config: EngineConfig) -> dict[str, int]:
 
 
 class ModelRunner:
-    """The model must provide: cache_specs(block_size) -> [CacheGroupSpec], cache_bytes_per_block(block_size),
-    allocate_caches(num_blocks: {group: n}, block_size), forward(ForwardBatch) -> hidden [T, D] and
-    compute_logits(hidden [N, D], uniform=False) -> [N, V] (uniform: every rank scores N rows, a graph-mode
-    step); for PD disaggregation and graph mode also cache_tensors() -> {group: [tensors [num_blocks, ...]]}.
-    Optional: finish_prefill(rows), called after a step's forward with the rows of its batch (indices into the
-    scheduled requests) whose prompt prefill ended in it (MoE offload's dynamic expert placement)."""
+    """Runs a CausalLM (common/engine/model_contract.py) over the engine's steps. keep_streams: every step also
+    returns the main model's residual streams (contract.mtp's halves), for the MTP drafts; contract.finish_prefill,
+    where the model has it, is called after a step's forward with the rows of its batch (indices into the scheduled
+    requests) whose prompt prefill ended in it."""
 
-    def __init__(self, model, config: EngineConfig, num_blocks: dict[str, int], keep_streams: bool = False):
-        self.model, self.config, self.keep_streams = model, config, keep_streams
+    def __init__(self, model: CausalLM, contract: ModelContract, config: EngineConfig, num_blocks: dict[str, int],
+                 keep_streams: bool = False):
+        if keep_streams and contract.mtp is None:
+            raise ValueError("keep_streams needs the model's MTP halves (contract.mtp)")
+        self.model, self.contract, self.config, self.keep_streams = model, contract, config, keep_streams
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
             backend.keep_freed_host_memory()
@@ -66,7 +68,8 @@ class ModelRunner:
         model.allocate_caches(self.num_blocks, config.block_size)
         self.graphs = None  # exe_mode graph: the decode steps' compiled buckets
         if config.exe_mode == "graph":
-            self.graphs = GraphRunner(model, config, [s.name for s in self.specs], self.device, keep_streams)
+            self.graphs = GraphRunner(model, contract, config, [s.name for s in self.specs], self.device,
+                                      keep_streams)
             self.graphs.capture()
 
     @torch.inference_mode()
@@ -86,8 +89,8 @@ class ModelRunner:
                       for s in scheduled]
         output = self._execute(scheduled, new_tokens, block_tables)
         prefilled = [b for b, s in enumerate(scheduled) if s.sample and s.start < s.request.num_prompt_tokens]
-        if prefilled and (finish_prefill := getattr(self.model, "finish_prefill", None)) is not None:
-            finish_prefill(prefilled)
+        if prefilled and self.contract.finish_prefill is not None:
+            self.contract.finish_prefill(prefilled)
         return output
 
     def _execute(self, scheduled: list[ScheduledRequest], new_tokens: list[list[int]],
@@ -101,8 +104,8 @@ class ModelRunner:
                                    self.device)
         streams = None
         if self.keep_streams:  # the model's two halves, the residual streams kept for the MTP drafts
-            streams = self.model.residual_streams(batch)  # [T, n, D]
-            hidden = self.model.final_hidden(streams)  # [T, D]
+            streams = self.contract.mtp.residual_streams(batch)  # [T, n, D]
+            hidden = self.contract.mtp.final_hidden(streams)  # [T, D]
         else:
             hidden = self.model(batch)  # [T, D]
         ends = batch.cu_seqlens_q[1:].tolist()

@@ -22,22 +22,20 @@ from __future__ import annotations
 import torch
 
 from .forward_batch import ForwardBatch
+from .model_contract import MTPDraftModel
 from .scheduler import ScheduledRequest
 
 
 class MTPProposer:
-    def __init__(self, model, num_speculative_tokens: int, block_size: int, max_model_len: int,
-                 lockstep: bool = False):
-        """lockstep: data-parallel ranks whose MTP forwards meet in collectives (expert dispatch, vocabulary-
+    def __init__(self, mtp: MTPDraftModel, groups: list[str], device: torch.device, num_speculative_tokens: int,
+                 block_size: int, max_model_len: int, lockstep: bool = False):
+        """mtp: the model's MTP halves and layers (its ModelContract.mtp); groups: its cache groups.
+        lockstep: data-parallel ranks whose MTP forwards meet in collectives (expert dispatch, vocabulary-
         parallel embedding and head): every call then runs exactly k MTP forwards, empty where a rank has nothing
         to draft, as an idle rank's main forward does."""
-        if not len(getattr(model, "mtp", ())):
-            raise ValueError("speculative decoding needs the model's MTP layer (load_model(..., mtp=True) with a "
-                             "checkpoint whose num_nextn_predict_layers >= 1)")
-        self.model, self.k, self.lockstep = model, num_speculative_tokens, lockstep
+        self.mtp, self.k, self.lockstep = mtp, num_speculative_tokens, lockstep
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.groups = [g.name for g in model.cache_specs(block_size)]
-        self.device = model.embed.weight.device
+        self.groups, self.device = groups, device
 
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest], streams: torch.Tensor | None, offsets: list[int],
@@ -45,7 +43,7 @@ class MTPProposer:
         """After a step is committed: request id -> its next drafts, for the requests that sampled.
         streams [T, n, D]: the step's main-model residual streams; offsets[i]: scheduled[i]'s first row.
         An idle data-parallel rank calls it with nothing (scheduled [], streams None)."""
-        model, mtp = self.model, self.model.mtp
+        mtp = self.mtp
         picked = [i for i, s in enumerate(scheduled) if not s.request.finished]
         if not picked and not self.lockstep:
             return {}
@@ -58,28 +56,27 @@ class MTPProposer:
             x = streams[rows.to(streams.device)]  # [T', n, D]
         batch = self._batch(nexts, starts, tables)
         if not picked:
-            a = model.args
-            x = torch.zeros(0, a.hc_mult, a.hidden_size, dtype=model.embed.weight.dtype, device=self.device)
-        x = mtp[0](x, model.embed_tokens(batch.input_ids), batch)  # [T', n, D]
+            x = mtp.empty_streams()  # [0, n, D]
+        x = mtp.draft_streams(0, x, batch.input_ids, batch)  # [T', n, D]
         drafting = [j for j, i in enumerate(picked) if scheduled[i].sample]
         if not drafting and not self.lockstep:  # prefill chunks only: their MTP KV is written, nothing to propose
             return {}
         last = batch.cu_seqlens_q[1:].long() - 1  # [B']
         x, positions = x[last[drafting]], [starts[j] + counts[j] for j in drafting]  # streams, next position
         drafts = {j: [] for j in drafting}
-        token = self._argmax(mtp[0], x)  # [B'']
+        token = mtp.draft_logits(0, x).argmax(-1)  # [B'']
         for step in range(self.k):
             for j, t in zip(drafting, token.tolist()):
                 drafts[j].append(t)
             live = [n for n, p in enumerate(positions) if p < self.max_model_len]  # where the chain may write
             if step == self.k - 1 or not (live or self.lockstep):
                 break
-            block = mtp[(step + 1) % len(mtp)]
+            layer = (step + 1) % mtp.num_draft_layers
             drafting, x, token = [drafting[n] for n in live], x[live], token[live]
             positions = [positions[n] for n in live]
             batch = self._batch([[t] for t in token.tolist()], positions, [tables[j] for j in drafting])
-            x = block(x, model.embed_tokens(batch.input_ids), batch)  # [B'', n, D]
-            token = self._argmax(block, x)
+            x = mtp.draft_streams(layer, x, batch.input_ids, batch)  # [B'', n, D]
+            token = mtp.draft_logits(layer, x).argmax(-1)  # [B'']
             positions = [p + 1 for p in positions]
         return {scheduled[picked[j]].request.request_id: d for j, d in drafts.items()}
 
@@ -87,6 +84,3 @@ class MTPProposer:
         if not tokens:
             return ForwardBatch.empty(self.groups, self.block_size, self.device)
         return ForwardBatch.build(tokens, starts, tables, self.block_size, self.device)
-
-    def _argmax(self, block, streams: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(block.final_hidden(streams)).argmax(-1)  # [B]

@@ -134,11 +134,6 @@ class ModelArgs:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def hc_mult(self) -> int:
-        """Residual streams per token that the MTP layer reads (DeepSeek-V4's hyper-connections): one here."""
-        return 1
-
-    @property
     def eos_token_ids(self) -> list[int]:
         eos = self.eos_token_id
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

@@ -52,6 +52,7 @@ from torch import nn
 from common import ops
 from common import parallel as par
 from common.engine.forward_batch import ForwardBatch
+from common.engine.model_contract import ModelContract
 from common.kv_cache import CacheGroupSpec
 from config_deepseek_v3 import ModelArgs
 
@@ -511,7 +512,7 @@ class DeepseekV3(nn.Module):
 
     @property
     def embed(self) -> nn.Embedding:
-        """The (vocabulary-parallel) token embedding: the speculative-decoding contract's name for it."""
+        """The (vocabulary-parallel) token embedding."""
         return self.model.embed_tokens
 
     def attention_layers(self) -> list[MLAttention]:
@@ -576,6 +577,27 @@ class DeepseekV3(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, uniform: bool = False) -> torch.Tensor:
         """[N, D] -> [N, V] fp32; uniform: every rank scores N rows (a graph-mode step)."""
         return par.vocab_parallel_logits(hidden, self.lm_head, self.head_group, uniform).float()  # [N, V]
+
+    def engine_contract(self) -> ModelContract:
+        """What the engine may use of this model: its MTP layers when loaded (this model is their MTPDraftModel)."""
+        a = self.args
+        return ModelContract(a.max_position_embeddings, a.vocab_size, tuple(a.eos_token_ids), self.parallel,
+                             mtp=self if len(self.mtp) else None)
+
+    # MTPDraftModel (common/engine/model_contract.py): the MTP layers, fed the main model's final hidden states
+    @property
+    def num_draft_layers(self) -> int:
+        return len(self.mtp)
+
+    def empty_streams(self) -> torch.Tensor:
+        return self.embed.weight.new_zeros(0, 1, self.args.hidden_size)  # [0, 1, D]
+
+    def draft_streams(self, layer: int, streams: torch.Tensor, input_ids: torch.Tensor,
+                      batch: ForwardBatch) -> torch.Tensor:
+        return self.mtp[layer](streams, self.embed_tokens(input_ids), batch)  # [T, 1, D]
+
+    def draft_logits(self, layer: int, streams: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(self.mtp[layer].final_hidden(streams))  # [B, V]
 
 
 @torch.no_grad()

@@ -29,6 +29,7 @@ from torch import nn
 from common import cpu_gemm, ops
 from common import parallel as par
 from common.engine.forward_batch import ForwardBatch
+from common.engine.model_contract import ModelContract
 from common.kv_cache import CacheGroupSpec
 from config_deepseek_v4 import CSA, SLIDING, ModelArgs
 
@@ -603,11 +604,14 @@ class DeepseekV4(nn.Module):
         for moe in self.moe_layers().values():
             moe.routing_counter = counter
 
-    def finish_prefill(self, rows: list[int]) -> None:
-        """The engine's call after a step: the sequences `rows` of the step's batch finished their prompt's
-        prefill in it (dynamic expert placement then takes their experts as the resident set)."""
-        if self.offload is not None:
-            self.offload.finish_prefill(rows)
+    def engine_contract(self) -> ModelContract:
+        """What the engine may use of this model: its MTP blocks when loaded (this model is their MTPDraftModel),
+        and with MoE offload the end-of-prefill hook (dynamic expert placement takes the experts of the sequences
+        whose prompt prefill ended as the resident set)."""
+        a = self.args
+        return ModelContract(a.max_position_embeddings, a.vocab_size, tuple(a.eos_token_ids), self.parallel,
+                             mtp=self if len(self.mtp) else None,
+                             finish_prefill=self.offload.finish_prefill if self.offload is not None else None)
 
     def cache_specs(self, block_size: int) -> list[CacheGroupSpec]:
         """One token-level window group (KV + compressor state) and one compressed group per compress ratio."""
@@ -671,6 +675,22 @@ class DeepseekV4(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, uniform: bool = False) -> torch.Tensor:
         """[N, D] -> [N, V] fp32; uniform: every rank scores N rows (a graph-mode step)."""
         return par.vocab_parallel_logits(hidden, self.head, self.head_group, uniform).float()  # [N, V]
+
+    # MTPDraftModel (common/engine/model_contract.py): the MTP blocks, fed the main model's residual streams
+    @property
+    def num_draft_layers(self) -> int:
+        return len(self.mtp)
+
+    def empty_streams(self) -> torch.Tensor:
+        w = self.embed.weight
+        return w.new_zeros(0, self.args.hc_mult, self.args.hidden_size)  # [0, n, D]
+
+    def draft_streams(self, layer: int, streams: torch.Tensor, input_ids: torch.Tensor,
+                      batch: ForwardBatch) -> torch.Tensor:
+        return self.mtp[layer](streams, self.embed_tokens(input_ids), batch)  # [T, n, D]
+
+    def draft_logits(self, layer: int, streams: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(self.mtp[layer].final_hidden(streams))  # [B, V]
 
 
 @torch.no_grad()

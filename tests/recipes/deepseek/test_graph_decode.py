@@ -131,7 +131,8 @@ def test_graph_mode_refuses_a_device_it_cannot_capture_on(setup):
     *_, path = setup
     config = EngineConfig(exe_mode="graph", max_num_seqs=2).resolve(1024)
     with pytest.raises(ValueError, match="not on meta.*exe_mode eager"):
-        GraphRunner(load_model(path, torch.float32), config, ["g"], torch.device("meta"), keep_streams=False)
+        model = load_model(path, torch.float32)
+        GraphRunner(model, model.engine_contract(), config, ["g"], torch.device("meta"), keep_streams=False)
 
 
 def test_capture_sizes_default_to_powers_of_two_and_max_num_seqs():

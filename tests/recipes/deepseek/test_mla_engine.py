@@ -74,7 +74,7 @@ def test_accepted_drafts_commit_exactly_the_plain_tokens(setup, variant, k):
     model, tok, plain = setup[variant]
     llm = LLM(model, tok, block_size=16, num_speculative_tokens=k)
     reference = {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}
-    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference)
+    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference, llm.engine.contract.vocab_size)
     check_equal(llm.generate(PROMPTS, GREEDY, use_tqdm=False), plain)
     stats = llm.engine.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both paths taken

@@ -117,7 +117,7 @@ def test_a_placement_change_between_requests_keeps_the_results(ckpt, full, refer
     model = offloaded(ckpt, 2, placement="dynamic")
     first = prefill_logits(model, PROMPTS[:1])
     before = {layer: t.tolist() for layer, t in model.offload.resident.experts.items()}
-    model.finish_prefill([0])  # the prompt's prefill ended: its top 2 per layer become resident
+    model.engine_contract().finish_prefill([0])  # the prompt's prefill ended: its top 2 per layer become resident
     after = {layer: t.tolist() for layer, t in model.offload.resident.experts.items()}
     assert after != before and after[4] == before[4]  # the MTP block keeps its start placement
     for layer in range(4):  # the slots hold the new experts' weights

@@ -61,7 +61,7 @@ def test_accepted_and_rejected_drafts_commit_exactly_the_plain_tokens(setup, k, 
     model, tok, prompts, plain = setup
     llm = LLM(model, tok, block_size=16, num_speculative_tokens=k, **engine_kwargs)
     reference = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
-    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference)
+    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference, llm.engine.contract.vocab_size)
     check_equal(llm.generate(prompts, GREEDY, use_tqdm=False), plain)
     stats = llm.engine.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both paths taken
@@ -81,7 +81,7 @@ def test_graph_mode_verifies_the_drafts_in_its_graphs(setup):
     assert graphs.query_len == 3
     check_equal(llm.generate(prompts, GREEDY, use_tqdm=False), plain)
     reference = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
-    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference)
+    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference, llm.engine.contract.vocab_size)
     before = graphs.replays[4]
     check_equal(llm.generate(prompts[:1], GREEDY, use_tqdm=False), plain[:1])
     assert 0 < before < graphs.replays[4]

@@ -148,7 +148,7 @@ def test_mtp_drafts_under_a_grammar_equal_plain_decoding(setup):
         spec = LLM(model, tok, block_size=16, num_speculative_tokens=2)
         engine = spec.engine
         if oracle:  # drafts right for a while: the reasoning boundary falls inside the draft window
-            engine.proposer = OracleProposer(engine.proposer, reference)
+            engine.proposer = OracleProposer(engine.proposer, reference, engine.contract.vocab_size)
             engine.structured_output = Recording(tok, model)
         outs = spec.generate(inputs, batch, use_tqdm=False)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

@@ -153,7 +153,7 @@ def test_seeded_mtp_with_the_reasoning_end_inside_a_draft_window(checkpoint, tok
     prompts = [PROMPTS[1] + [think], PROMPTS[2] + [think]]
     params = [reasoning_params(plain, p, temperature=0.7, seed=s) for p, s in zip(prompts, (3, 4))]
     reference = {tuple(p): o.token_ids for p, o in zip(prompts, plain.generate(prompts, params, use_tqdm=False))}
-    engine.proposer = OracleProposer(engine.proposer, reference)
+    engine.proposer = OracleProposer(engine.proposer, reference, engine.contract.vocab_size)
     engine.structured_output = Recording(tok, model)
     outs = spec.generate(prompts, params, use_tqdm=False)
     answered = 0
