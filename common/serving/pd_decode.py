@@ -50,6 +50,7 @@ class DecodeConnector(PDConnector):
         self.targets: dict[str, dict] = {}  # rank 0: per room, the load messages so far
         self.posts: dict[str, asyncio.Task] = {}  # rank 0: the /pd/prefill calls in flight (what an abort cancels)
         self.loads: set[asyncio.Task] = set()  # rank 0: their _load tasks, each ending its request
+        self.answered_then_aborted: set[str] = set()  # rank 0: aborted between P's answer and _load's reading it
         self.loop: asyncio.AbstractEventLoop | None = None
         self.client: httpx.AsyncClient | None = None
 
@@ -120,10 +121,10 @@ class DecodeConnector(PDConnector):
 
     def _cancel(self, rid: str) -> None:
         post = self.posts.get(rid)
-        if post is not None:
-            post.cancel()
-        else:  # its answer came first and is queued before this abort: abort it as a running request
+        if post is None:  # its answer came first and is queued before this abort: abort it as a running request
             self.async_engine.abort(rid)
+        elif not post.cancel():  # the answer is in and _load is on it: it ends the request as aborted
+            self.answered_then_aborted.add(rid)
 
     async def _load(self, rid: str, url: str, post: asyncio.Task) -> None:
         result, error = None, None
@@ -141,6 +142,9 @@ class DecodeConnector(PDConnector):
             error = f"prefill instance {url} failed: {type(e).__name__} {e}".rstrip()
         finally:
             self.posts.pop(rid, None)
+        if rid in self.answered_then_aborted:
+            self.answered_then_aborted.discard(rid)
+            result = None  # P's writes are over: the blocks can go
         if result is not None:
             self.async_engine.send_kv_command(("loaded", rid, result))
         else:
