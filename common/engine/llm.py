@@ -25,15 +25,19 @@ class LLM:
             raise TypeError("pass either an EngineConfig or engine keyword arguments, not both")
         self.engine = LLMEngine(model, tokenizer, config)
 
-    def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in prompt order."""
+    def generate(self, prompts: list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+                 add_special_tokens: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order. Text prompts get the tokenizer's
+        special tokens (its BOS) unless add_special_tokens is False (vLLM: tokenization_kwargs=
+        {"add_special_tokens": False}), for text that already carries them, such as a rendered chat prompt."""
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         engine = self.engine
-        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]  # checked alike on every rank
+        requests = [engine.make_request(p, sp, add_special_tokens=add_special_tokens)  # checked alike on every rank
+                    for p, sp in zip(prompts, params)]
         balance = LeastLoaded(par.group_size(engine.dp_group))
         mine = {r.request_id: i for i, r in enumerate(requests)
                 if balance.assign(r.request_id, request_cost(r)) == par.group_rank(engine.dp_group)}

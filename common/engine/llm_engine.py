@@ -138,15 +138,24 @@ class LLMEngine:
         """The unfinished requests by id (the scheduler's; read-only use)."""
         return self.scheduler.requests
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a prompt (text, tokenized as is, or token ids). ValueError when it can never run."""
-        req = self.make_request(prompt, params, request_id)
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    add_special_tokens: bool = True) -> str:
+        """Queue a prompt (text, see `tokenize`, or token ids). ValueError when it can never run."""
+        req = self.make_request(prompt, params, request_id, add_special_tokens)
         self.add(req)
         return req.request_id
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Tokenize and check a prompt without touching engine state (safe from another thread)."""
-        ids = self.tokenizer(prompt, add_special_tokens=False).input_ids if isinstance(prompt, str) else list(prompt)
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids. Text gets the tokenizer's special tokens (its BOS, where it adds one) unless
+        add_special_tokens is False (text that already carries them: a rendered chat prompt), as vLLM tokenizes
+        completions and LLM.generate prompts; token ids are used as given."""
+        return (self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids if isinstance(prompt, str)
+                else list(prompt))
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                     add_special_tokens: bool = True) -> Request:
+        """Tokenize (`tokenize`) and check a prompt without touching engine state (safe from another thread)."""
+        ids = self.tokenize(prompt, add_special_tokens)
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.config.max_model_len:

@@ -80,7 +80,7 @@ class OpenAIServingChat:
         prompt, constraint = self.render(body)
         await s.check_constraint(constraint, "tool_choice" if body.forces_tool_calls else
                                  "structured_outputs" if body.structured_outputs is not None else "response_format")
-        prompts = [s.tokenize(prompt.text)]
+        prompts = [s.tokenize(prompt.text, body.add_special_tokens)]
         tools = body.active_tools
         decoders = [self.decoder(prompt, tools, body.stop_strings) for _ in range(body.n)]
         head = {"id": request_id, "object": "chat.completion.chunk" if body.stream else "chat.completion",

@@ -24,7 +24,7 @@ class OpenAIServingCompletion:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if body.structured_outputs is not None:
             await s.check_constraint(body.structured_outputs.constraint(), "structured_outputs")
-        prompts = [s.tokenize(p) for p in body.prompts]
+        prompts = [s.tokenize(p, body.add_special_tokens) for p in body.prompts]
         # echo: each choice's text starts with its prompt (as sent, or decoded from ids), log-probs too
         prompt_texts = [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(body.prompts, prompts)]
         head = {"id": request_id, "object": "text_completion", "created": created, "model": s.model_name}

@@ -52,9 +52,10 @@ class OpenAIServing:
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                            "NotFoundError", "model")
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return (self.tokenizer(prompt, add_special_tokens=False).input_ids if isinstance(prompt, str)
-                else list(prompt))
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        """The engine's rule (LLMEngine.tokenize): completions add the tokenizer's special tokens to text prompts by
+        default, chat prompts (whose format writes its own) do not."""
+        return self.engine.tokenize(prompt, add_special_tokens)
 
     def remote_prefill(self, raw: Request) -> dict | None:
         """PD decode side: the kv_transfer_params of a request the router paired with a prefill instance."""

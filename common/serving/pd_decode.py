@@ -48,7 +48,9 @@ class DecodeConnector(PDConnector):
         self.prefill_urls = {u.rstrip("/") for u in bootstrap_urls}
         self.transfer_timeout, self.abort_timeout = transfer_timeout, abort_timeout
         self.targets: dict[str, dict] = {}  # rank 0: per room, the load messages so far
-        self.tasks: dict[str, asyncio.Task] = {}  # rank 0: the /pd/prefill calls in flight
+        self.posts: dict[str, asyncio.Task] = {}  # rank 0: the /pd/prefill calls in flight (what an abort cancels)
+        self.loads: set[asyncio.Task] = set()  # rank 0: their _load tasks, each ending its request
+        self.answered_then_aborted: set[str] = set()  # rank 0: aborted between P's answer and _load's reading it
         self.loop: asyncio.AbstractEventLoop | None = None
         self.client: httpx.AsyncClient | None = None
 
@@ -110,19 +112,24 @@ class DecodeConnector(PDConnector):
 
     # rank 0: the event loop
     def _start(self, rid: str, url: str, body: dict) -> None:
-        self.tasks[rid] = self.loop.create_task(self._load(rid, url, body))
+        # An abort cancels the post, never _load: a task cancelled before it first runs never enters its body (an
+        # abort queued right behind this call would otherwise leave the request holding its blocks for good).
+        post = self.posts[rid] = self.loop.create_task(self.client.post(url + "/pd/prefill", json=body))
+        load = self.loop.create_task(self._load(rid, url, post))
+        self.loads.add(load)
+        load.add_done_callback(self.loads.discard)
 
     def _cancel(self, rid: str) -> None:
-        task = self.tasks.get(rid)
-        if task is not None:
-            task.cancel()
-        else:  # its answer came first and is queued before this abort: abort it as a running request
+        post = self.posts.get(rid)
+        if post is None:  # its answer came first and is queued before this abort: abort it as a running request
             self.async_engine.abort(rid)
+        elif not post.cancel():  # the answer is in and _load is on it: it ends the request as aborted
+            self.answered_then_aborted.add(rid)
 
-    async def _load(self, rid: str, url: str, body: dict) -> None:
+    async def _load(self, rid: str, url: str, post: asyncio.Task) -> None:
         result, error = None, None
         try:
-            r = await self.client.post(url + "/pd/prefill", json=body)
+            r = await post
             if r.status_code == 200:
                 result = r.json()
             else:
@@ -134,7 +141,10 @@ class DecodeConnector(PDConnector):
                 await self._abort_remote(url, rid)
             error = f"prefill instance {url} failed: {type(e).__name__} {e}".rstrip()
         finally:
-            self.tasks.pop(rid, None)
+            self.posts.pop(rid, None)
+        if rid in self.answered_then_aborted:
+            self.answered_then_aborted.discard(rid)
+            result = None  # P's writes are over: the blocks can go
         if result is not None:
             self.async_engine.send_kv_command(("loaded", rid, result))
         else:
@@ -153,9 +163,9 @@ class DecodeConnector(PDConnector):
             logger.warning("%s: /pd/abort at %s: %s (freeing the blocks)", rid, url, type(e).__name__)
 
     async def aclose(self) -> None:
-        for task in list(self.tasks.values()):
-            task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        for post in list(self.posts.values()):
+            post.cancel()
+        await asyncio.gather(*self.loads, return_exceptions=True)
         if self.client is not None:
             await self.client.aclose()
 

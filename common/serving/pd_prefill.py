@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
+from common import parallel as par
 from common.engine import SamplingParams
 from common.kv_transfer import CacheLayout, KVTransport
 
@@ -47,9 +48,16 @@ TOMBSTONES = 4096  # aborted rooms remembered (a /pd/prefill arriving after its 
 
 @dataclass(eq=False)
 class Room:
-    """Rank 0: one request prefilled for a decode instance, from /pd/prefill until its writes ended."""
+    """Rank 0: one request prefilled for a decode instance, from /pd/prefill until no write for it can happen (its
+    writes ended, or an abort found no rank writing it), and its /pd/prefill is over."""
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)  # the writes: error or None
-    ack: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)  # an abort met no write
+    ack: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)  # aborted, no rank writes it
+    acked: set[int] = field(default_factory=set)  # the DP ranks that have said they do not write it
+    closed: bool = False  # its /pd/prefill is over
+
+    @property
+    def settled(self) -> bool:
+        return self.done.done() or self.ack.done()
 
 
 @dataclass
@@ -73,11 +81,16 @@ class PrefillConnector(PDConnector):
     """The engine's KV connector on a prefill instance (see common/engine/llm_engine.py). Every rank has one; rank
     0's serves the /pd routes. The request's targets (one per rank of the decode instance that holds it) travel
     with it to the DP rank that prefills it, whose first attention-TP rank writes them (its TP peers hold the same
-    cache); "sent" and "ack" messages come back to rank 0; aborts reach every rank as commands."""
+    cache); "sent" and "ack" messages come back to rank 0; aborts reach every rank as commands.
 
-    def __init__(self, transport: KVTransport, abort_timeout: float = 30.0):
+    A room's abort is one command, applied by every rank between two steps: a request still prefilling is aborted
+    there (it never sends), a send not started yet never writes, and one under way stops after its current batch of
+    writes. Each DP rank's writer answers at once ("ack": it does not write the room) or when its send ends ("sent");
+    rank 0 keeps the room until one of them settles it, so a later /pd/abort still waits for a send in flight."""
+
+    def __init__(self, transport: KVTransport, abort_timeout: float = 30.0, writes_per_batch: int = WRITES_PER_BATCH):
         super().__init__(transport)
-        self.abort_timeout = abort_timeout
+        self.abort_timeout, self.writes_per_batch = abort_timeout, writes_per_batch
         self.rooms: dict[str, Room] = {}  # rank 0
         self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()  # rank 0: aborted rooms
         self.aborted: collections.OrderedDict[str, None] = collections.OrderedDict()  # every rank: rooms not to send
@@ -86,29 +99,33 @@ class PrefillConnector(PDConnector):
         self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
         self.stats = TransferStats()
 
+    def bind(self, async_engine, loop) -> None:
+        super().bind(async_engine, loop)
+        dp = async_engine.engine.dp_group
+        self.num_dp, self.dp_rank = par.group_size(dp), par.group_rank(dp)
+
     # the engine's thread, on the ranks that own the request
     def start_send(self, request, block_table: dict[str, list[int]]) -> None:
         rid = request.request_id
-        if self.tp_rank == 0 and rid not in self.aborted:
-            with self.lock:
-                self.sending.add(rid)
-            self.sender.submit(self._send, rid, request.kv_transfer_params["targets"],
-                               {g: list(t) for g, t in block_table.items()})
+        if self.tp_rank != 0:  # a TP peer: rank 0 of its group writes
+            self._release(rid)
             return
-        self._release(rid)  # a TP peer (rank 0 of its group writes), or aborted meanwhile: nothing to write
-        if self.tp_rank == 0:
-            self.outbox.append(("sent", rid, "aborted"))
+        with self.lock:
+            self.sending.add(rid)
+        self.sender.submit(self._send, rid, request.kv_transfer_params["targets"],
+                           {g: list(t) for g, t in block_table.items()})
 
     def on_command(self, payload) -> None:
-        """Every rank: ("abort", room): no write for the room starts after this; if this rank would write it, it
-        tells rank 0 once none is under way ("ack" now, or "sent" when the writes in flight end)."""
+        """Every rank: ("abort", room): the room's request stops here if it is still prefilling, and no write for it
+        starts after this; this DP rank's writer tells rank 0 "ack" unless a send of the room is under way (its
+        "sent" comes when the send ends)."""
         _, rid = payload
         remember(self.aborted, rid)
-        scheduler = self.async_engine.engine.scheduler
-        if self.tp_rank == 0 and rid in scheduler.requests:
+        self.async_engine.engine.abort(rid)  # unknown or finished ids are ignored
+        if self.tp_rank == 0:
             with self.lock:
                 if rid not in self.sending:
-                    self.outbox.append(("ack", rid))
+                    self.outbox.append(("ack", rid, self.dp_rank))
 
     def _release(self, rid: str) -> None:
         self.async_engine.run_in_engine(lambda: self.async_engine.engine.release_sent(rid))
@@ -121,10 +138,10 @@ class PrefillConnector(PDConnector):
                                                       t["block_tables"])) for t in targets]
             t0 = time.perf_counter()
             for peer, srcs, dsts, lengths in writes:
-                for i in range(0, len(srcs), WRITES_PER_BATCH):
+                for i in range(0, len(srcs), self.writes_per_batch):
                     if rid in self.aborted:
                         raise InterruptedError("aborted")
-                    j = slice(i, i + WRITES_PER_BATCH)
+                    j = slice(i, i + self.writes_per_batch)
                     self.transport.write(peer, srcs[j], dsts[j], lengths[j])
             self.stats.seconds += time.perf_counter() - t0
             self.stats.num_transfers += 1
@@ -145,44 +162,52 @@ class PrefillConnector(PDConnector):
 
     # rank 0: the engine's thread
     def on_messages(self, messages: list) -> None:
-        for kind, rid, *rest in messages:
-            room = self.rooms.get(rid)
-            if room is None:
-                continue
-            future = room.done if kind == "sent" else room.ack
-            if not future.done():
-                future.set_result(rest[0] if rest else None)
+        with self.lock:
+            for kind, rid, arg in messages:
+                room = self.rooms.get(rid)
+                if room is None:
+                    continue
+                if kind == "sent" and not room.done.done():
+                    room.done.set_result(arg)
+                elif kind == "ack":
+                    room.acked.add(arg)
+                    if len(room.acked) == self.num_dp and not room.ack.done():
+                        room.ack.set_result(None)
+                if room.closed and room.settled:
+                    del self.rooms[rid]
 
     # rank 0: the event loop
     def open_room(self, rid: str) -> tuple[Room | None, str | None]:
         """(a new room, None), or (None, why not: aborted before it came, or in use)."""
         if rid in self.tombstones:
             return None, f"room {rid} was aborted"
-        if rid in self.rooms:
-            return None, f"room {rid} is in use"
-        self.rooms[rid] = room = Room()
+        with self.lock:
+            if rid in self.rooms:
+                return None, f"room {rid} is in use"
+            self.rooms[rid] = room = Room()
         return room, None
 
     def close_room(self, rid: str, room: Room) -> None:
-        """/pd/prefill is over (answered, failed or its decode instance gone): a write not started yet never
-        starts (writes under way end on their own)."""
+        """/pd/prefill is over (answered, failed or its decode instance gone): a write not started yet never starts,
+        one under way stops; the room stays until no write for it can happen."""
         if not room.done.done():
             self.async_engine.send_kv_command(("abort", rid))
-        if self.rooms.get(rid) is room:
-            del self.rooms[rid]
+        with self.lock:
+            room.closed = True
+            if room.settled and self.rooms.get(rid) is room:
+                del self.rooms[rid]
 
     async def abort(self, rid: str) -> bool:
         """No write for the room after this returns True (False: the writes did not stop within abort_timeout)."""
         remember(self.tombstones, rid)
         room = self.rooms.get(rid)
         self.async_engine.send_kv_command(("abort", rid))
-        self.async_engine.abort(rid)  # still prefilling: the engine frees it (unknown ids are ignored)
+        self.async_engine.abort(rid)  # its stream and DP balance (the command aborted the engine's request)
         if room is None or room.done.done():
             return True
+        # the wrappers are left pending, never cancelled: cancelling one would cancel the room's future it wraps
         waits = {asyncio.wrap_future(room.done), asyncio.wrap_future(room.ack)}
-        done, pending = await asyncio.wait(waits, timeout=self.abort_timeout, return_when=asyncio.FIRST_COMPLETED)
-        for w in pending:
-            w.cancel()
+        done, _ = await asyncio.wait(waits, timeout=self.abort_timeout, return_when=asyncio.FIRST_COMPLETED)
         return bool(done)
 
     async def aclose(self) -> None:
@@ -225,16 +250,10 @@ def add_prefill_routes(app: FastAPI, async_engine: AsyncLLMEngine, connector: Pr
         except (TypeError, ValueError) as e:
             return error_response(400, f"sampling_params: {e}", "invalid_request_error", "sampling_params")
         params = dataclasses.replace(sp, max_tokens=min(sp.max_tokens, 1))  # the first token; D samples the rest
-        room, why = connector.open_room(body.room)
-        if room is None:
-            return error_response(409, why, "invalid_request_error", "room")
-        try:
-            finished, result = await run_unless_disconnected(raw, _prefill(async_engine, body, params, room))
-            if not finished:
-                return error_response(499, "the decode instance went away", "aborted")
-            return result
-        finally:
-            connector.close_room(body.room, room)
+        finished, result = await run_unless_disconnected(raw, _prefill(async_engine, connector, body, params))
+        if not finished:
+            return error_response(499, "the decode instance went away", "aborted")
+        return result
 
     @app.post("/pd/abort", dependencies=dependencies)
     async def abort(body: AbortBody):
@@ -250,20 +269,30 @@ def add_prefill_routes(app: FastAPI, async_engine: AsyncLLMEngine, connector: Pr
                 "transfers": dataclasses.asdict(connector.stats)}
 
 
-async def _prefill(async_engine: AsyncLLMEngine, body: PrefillBody, params: SamplingParams, room: Room):
+async def _prefill(async_engine: AsyncLLMEngine, connector: PrefillConnector, body: PrefillBody,
+                   params: SamplingParams):
+    # The room opens and the request is queued in one step of the event loop: a /pd/abort comes before both (the
+    # room is refused) or after both (the abort command finds the request in the engine).
+    room, why = connector.open_room(body.room)
+    if room is None:
+        return error_response(409, why, "invalid_request_error", "room")
     final = None
     targets = [t.model_dump() for t in body.targets]
     try:
         async for out in async_engine.generate(body.prompt_token_ids, params, body.room,
                                                kv_transfer_params={"do_remote_decode": True, "targets": targets}):
             final = out
+        if final.finish_reason in ("abort", "error"):
+            return error_response(500, f"prefill failed: {final.error or final.finish_reason}",
+                                  "internal_server_error")
+        # the writes ended (the writing rank always says so); shielded: a cancelled wait must not cancel room.done
+        error = await asyncio.shield(asyncio.wrap_future(room.done))
     except EngineOverloaded as e:
         return error_response(503, str(e), "server_overloaded", headers={"Retry-After": "1"})
     except ValueError as e:
         return error_response(400, str(e), "invalid_request_error", "prompt_token_ids")
-    if final.finish_reason in ("abort", "error"):
-        return error_response(500, f"prefill failed: {final.error or final.finish_reason}", "internal_server_error")
-    error = await asyncio.wrap_future(room.done)  # the writes ended (the writing rank always says so)
+    finally:
+        connector.close_room(body.room, room)
     if error is not None:
         return error_response(502, f"KV transfer to {', '.join(t['peer'] for t in targets)} failed: {error}",
                               "kv_transfer_error")

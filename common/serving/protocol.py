@@ -11,7 +11,8 @@ refusal is a pydantic error at the field's location, so the server's validation 
 assistant tool-call messages), response_format and reasoning_effort are honoured through the model's chat format
 (common/serving/chat_format.py), which refuses what it cannot render. Extensions honoured (vLLM's names): top_k,
 ignore_eos, structured_outputs, chat_template_kwargs, stream_options.include_usage, reasoning_content on assistant
-messages."""
+messages, add_special_tokens (vLLM's defaults: completions add the tokenizer's special tokens, its BOS, to text
+prompts; chat does not, its format writes them; token-id prompts are never changed)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -281,6 +282,7 @@ class CompletionRequest(_Sampling):
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # 0: only with echo (score the prompt)
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
+    add_special_tokens: StrictBool = True  # extension (vLLM's): the tokenizer's special tokens (BOS) on text prompts
     # refused unless no-op
     best_of: Annotated[StrictInt, Field(ge=1)] | None = None
     suffix: StrictStr | None = None
@@ -321,6 +323,7 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     reasoning_effort: StrictStr | None = None  # the chat format's (DeepSeek-V4: "high" or "max", thinking mode)
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): e.g. {"thinking": true}
+    add_special_tokens: StrictBool = False  # extension (vLLM's): the tokenizer's special tokens on top of the format's
     metadata: dict[StrictStr, StrictStr] | None = None  # tags for stored completions; nothing is stored
     store: StrictBool | None = None  # refused if true
     service_tier: StrictStr | None = None  # "auto" / "default" accepted: there is one tier

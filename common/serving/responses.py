@@ -158,7 +158,7 @@ class OpenAIServingResponses:
         response_id = f"resp_{uuid.uuid4().hex}"
         prompt, constraint = self.render(body)
         await s.check_constraint(constraint, "tool_choice" if body.forces_tool_calls else "text.format")
-        prompts = [s.tokenize(prompt.text)]
+        prompts = [s.tokenize(prompt.text, add_special_tokens=False)]  # the chat format writes its BOS
         tools = body.active_tools
         decoder = self.chat.decoder(prompt, tools, [])
         items = OutputItems(body.include_encrypted_reasoning)

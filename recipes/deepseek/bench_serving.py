@@ -259,9 +259,12 @@ def offline_baseline(a, prompts) -> dict:
     if a.chat:
         prompts = [encode_messages([{"role": "user", "content": p}]) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=not a.prompts)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+    # text as the server tokenizes it: completions add the BOS, a rendered chat prompt carries its own
+    special = not a.chat
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False,
+                 add_special_tokens=special)  # warm-up
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, add_special_tokens=special)
     duration = time.perf_counter() - t0
     out_tokens = sum(len(o.token_ids) for o in outs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)

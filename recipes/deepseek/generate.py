@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         counter = RoutingCounter(model.args.n_routed_experts)
         model.record_routing(counter)
     backend.reset_peak_memory()
-    outputs = llm.generate(texts, a.sampling)
+    outputs = llm.generate(texts, a.sampling, add_special_tokens=False)  # the chat format wrote its BOS
     engine = llm.engine
     s = engine.stats  # per DP rank (TP peers run the same requests): summed tokens over the slowest rank's time
     ranks = par.all_gather_object((s.prefill_tokens, s.prefill_time, s.decode_tokens, s.decode_time,

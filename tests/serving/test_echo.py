@@ -46,11 +46,12 @@ def test_echo_with_max_tokens_0_scores_the_prompt(server, model_and_tokenizer, r
     url, engine = server
     tokenizer = model_and_tokenizer[1]
     prompt = "The capital of France is Paris"
-    ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    ids = tokenizer(prompt).input_ids  # as the server tokenizes a text prompt: the tokenizer's BOS first
+    assert ids[0] == tokenizer.bos_token_id
     r = client_for(url).completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
     choice = r.choices[0]
-    assert choice.text == prompt and choice.finish_reason == "length"
-    assert len(choice.logprobs.tokens) == len(ids) and r.usage.completion_tokens == 0
+    assert choice.text == prompt and choice.finish_reason == "length"  # the text as sent (vLLM's echo)
+    assert len(choice.logprobs.tokens) == len(ids) == r.usage.prompt_tokens and r.usage.completion_tokens == 0
     check_prompt_part(choice.logprobs, tokenizer, ids, reference(ids), 2)
     assert wait_until(lambda: engine.kv_cache.all_blocks_free())
 

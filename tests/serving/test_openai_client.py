@@ -68,7 +68,8 @@ def test_stop_string_never_leaks(client, offline):
 def test_chat_equals_offline(client, offline, stream):
     """The server's chat = the offline engine on the publisher's prompt, its text (special tokens kept) parsed."""
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
-    expected = offline.generate([encode_chat(messages)], greedy(skip_special_tokens=False), use_tqdm=False)[0]
+    expected = offline.generate([encode_chat(messages)], greedy(skip_special_tokens=False), use_tqdm=False,
+                                add_special_tokens=False)[0]  # the chat format writes its own BOS
     want = parse_completion(expected.text, thinking=False)
     kw = dict(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
     if not stream:
@@ -91,7 +92,8 @@ def test_chat_reasoning_split(client, offline, stream):
     assert prompt.endswith("<think>")
     kw = dict(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
               extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking": True}})
-    expected = offline.generate([prompt], greedy(skip_special_tokens=False), use_tqdm=False)[0]
+    expected = offline.generate([prompt], greedy(skip_special_tokens=False), use_tqdm=False,
+                                add_special_tokens=False)[0]
     want = parse_completion(expected.text, thinking=True)
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kw))
