@@ -66,16 +66,28 @@ class ModelRunner:
         self.specs = model.cache_specs(config.block_size)
         self.num_blocks = dict(num_blocks)
         model.allocate_caches(self.num_blocks, config.block_size)
+        self._caches = self._cache_pointers()  # the caches this runner allocated (and its graphs were built over)
         self.graphs = None  # exe_mode graph: the decode steps' compiled buckets
         if config.exe_mode == "graph":
             self.graphs = GraphRunner(model, contract, config, [s.name for s in self.specs], self.device,
                                       keep_streams)
             self.graphs.capture()
 
+    def _cache_pointers(self) -> list[int]:
+        return [t.data_ptr() for ts in self.model.cache_tensors().values() for t in ts]
+
+    def check_caches(self) -> None:
+        """RuntimeError when the model's caches are no longer the ones this runner allocated: another engine on the
+        same model reallocated them, and this engine's block tables (and graphs) would read and write its blocks."""
+        if self._cache_pointers() != self._caches:
+            raise RuntimeError("the model's KV caches were reallocated by another engine on the same model: "
+                               "give each engine its own model")
+
     @torch.inference_mode()
     def execute_idle(self) -> None:
         """A forward of no tokens, for a data-parallel rank with nothing to run (its collectives meet the others'):
         padding alone through the graph of the others' bucket when they run one."""
+        self.check_caches()
         if self.graphs is not None and (bucket := self.graphs.step_bucket(0, True)) is not None:
             self.graphs.run(self.graphs.padding(bucket))
             return
@@ -85,6 +97,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[dict[str, list[int]]]) -> ModelRunnerOutput:
         """Forward the scheduled tokens; logits for the rows that sample and for the prompt positions scored."""
+        self.check_caches()
         new_tokens = [s.request.all_token_ids[s.start : s.end - len(s.draft_token_ids)] + s.draft_token_ids
                       for s in scheduled]
         output = self._execute(scheduled, new_tokens, block_tables)

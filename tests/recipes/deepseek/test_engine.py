@@ -164,3 +164,17 @@ def test_the_window_group_gets_only_what_the_running_requests_span(setup):
     outs = llm.generate(prompts * 4, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs[:4]] == [t for t, _ in expected]
     assert llm.engine.scheduler.num_preemptions == 0 and llm.engine.kv_cache.all_blocks_free()
+
+
+def test_an_engine_whose_caches_another_engine_reallocated_fails_its_requests_not_the_model(setup):
+    """Two engines on one model: the second reallocates the model's caches. The first engine's next step fails its
+    requests with the reason (its block tables point into caches it no longer owns) and frees their blocks; the
+    second engine serves."""
+    model, tok, prompts, _ = setup
+    first = LLM(model, tok, block_size=16, num_blocks=20)
+    second = LLM(model, tok, block_size=16, num_blocks=24)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = first.generate([prompts[0]], params, use_tqdm=False)[0]
+    assert out.finish_reason == "error" and "reallocated by another engine" in out.error
+    assert first.engine.kv_cache.all_blocks_free()
+    assert second.generate([prompts[0]], params, use_tqdm=False)[0].finish_reason == "length"

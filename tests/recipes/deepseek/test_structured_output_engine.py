@@ -2,6 +2,7 @@
 constraint (JSON schema, JSON object, regex, choice, the DSML tool-call structural tag), greedy and seeded;
 the constraint starts right after reasoning_end_token_id; MTP drafts (rejected by the random MTP layer, or right for
 a while then wrong) give the tokens of plain decoding under the same grammar; refusals come from make_request."""
+import copy
 import json
 import re
 
@@ -145,7 +146,7 @@ def test_mtp_drafts_under_a_grammar_equal_plain_decoding(setup):
     plain = llm.generate(inputs, batch, use_tqdm=False)
     reference = {tuple(ids): out.token_ids for ids, out in zip(inputs, plain)}
     for oracle in (False, True):
-        spec = LLM(model, tok, block_size=16, num_speculative_tokens=2)
+        spec = LLM(copy.deepcopy(model), tok, block_size=16, num_speculative_tokens=2)  # an engine per model
         engine = spec.engine
         if oracle:  # drafts right for a while: the reasoning boundary falls inside the draft window
             engine.proposer = OracleProposer(engine.proposer, reference, engine.contract.vocab_size)
