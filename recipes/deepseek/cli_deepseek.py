@@ -76,9 +76,9 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     a.offload = moe_offload(p, a)
     if a.offload is not None and not a.family.supports_offload:
         p.error(f"MoE offload serves DeepSeek-V4's MXFP4 experts; {a.family.name} has none")
-    if a.offload is not None and a.exe_mode == "graph":
-        p.error("MoE offload runs eager: the host experts' call is not capturable in a decode graph (use "
-                "--exe-mode eager)")
+    if a.offload is not None and a.exe_mode == "graph" and backend.device_type() != "cpu":
+        p.error(f"MoE offload in graph mode runs on CPU (torch.compile); on {backend.device_type()} a captured graph "
+                "would replay without the host experts' call: use --exe-mode eager")
     if a.offload is not None and a.layout.world_size > 1:
         p.error(f"MoE offload runs on one process (moe_ep 1); --config {a.config.name} has "
                 f"{a.layout.world_size} ranks (moe_ep {a.layout.moe_ep}): use --serve --dp N for replicas")

@@ -47,6 +47,9 @@ def parse_args(argv=None):
     check_model_args(p, a)
     if a.record_routing is not None and not a.family.supports_offload:
         p.error(f"--record-routing counts DeepSeek-V4's routed experts (MoE offload); {a.family.name} has no offload")
+    if a.record_routing is not None and a.exe_mode == "graph":
+        p.error("--record-routing counts on the host in eager steps (a graph step's padding rows are routed too): "
+                "use --exe-mode eager")
     return a
 
 

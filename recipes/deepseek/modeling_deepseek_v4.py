@@ -417,13 +417,13 @@ class MoE(nn.Module):
         """x [T, D], the router's weights / idx [T, k] -> [T, D]: the host experts submitted first, then the
         resident slots and the shared expert here, then the host's partial sum added."""
         a = self.args
-        slots, slot_weights, handle = self.offload.route(self.layer, x, idx, weights, seq_ids)  # [T, k] x2
+        slots, slot_weights, ticket = self.offload.route(self.layer, x, idx, weights, seq_ids)  # [T, k] x2
         xs, row_idx, counts = ops.moe_init_routing(x, slots, self.offload.num_slots)  # [T*k, D] by slot
         h = ops.swiglu(self.experts.matmul(xs, "w13", counts), a.swiglu_limit)  # [T*k, I]
         y = self.experts.matmul(h, "w2", counts)  # [T*k, D]; host pairs: slot 0 times weight 0
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         out = ops.moe_finalize_routing(y, slot_weights, row_idx, shared)  # [T, D]
-        return out + self.offload.host.sync(handle)  # [T, D]
+        return out + self.offload.sync(self.layer, ticket, x)  # [T, D]
 
 
 class SharedExpert(nn.Module):

@@ -156,6 +156,31 @@ def test_engine_with_mtp_offloads_the_mtp_block_too(ckpt, full):
     assert model.mtp[0].ffn.experts.w13.shape[0] == 2 and llm.engine.stats.num_draft_tokens > 0
 
 
+def test_graph_decode_with_offload_equals_all_resident_eager(ckpt, full):
+    """exe_mode graph (one bucket of 2, so steps of one sequence are padded) with dynamic placement: the host
+    experts run as opaque ops inside the compiled decode graph; the placement changes between requests (and within
+    a run: a prompt's prefill ends while others decode), rewriting in place the tables and slots the graph reads,
+    without a recompile (the engine fails on one); every token and log-prob equals the all-resident eager model's."""
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    engine_kwargs = dict(block_size=16, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    eager = LLM(full, tok, **engine_kwargs)
+    model = offloaded(ckpt, 2, placement="dynamic")
+    graph = LLM(model, tok, exe_mode="graph", graph_capture_sizes=(2,), **engine_kwargs)
+    for prompts in (PROMPTS, PROMPTS[::-1]):  # the second run starts from the first's resident sets
+        before = {layer: t.tolist() for layer, t in model.offload.resident.experts.items()}
+        replays = graph.engine.runner.graphs.replays[2]
+        want = eager.generate(prompts, params, use_tqdm=False)
+        got = graph.generate(prompts, params, use_tqdm=False)
+        for e, g in zip(want, got):
+            assert g.token_ids == e.token_ids
+            for le, lg in zip(e.logprobs, g.logprobs, strict=True):
+                assert lg.token_id == le.token_id and abs(lg.logprob - le.logprob) < 1e-4
+        assert graph.engine.runner.graphs.replays[2] > replays  # decode steps ran as the graph
+        assert {layer: t.tolist() for layer, t in model.offload.resident.experts.items()} != before
+    assert 0 < model.offload.hit_rate() < 1
+
+
 @pytest.mark.skipif(KT_REASON is not None, reason=f"kt-kernel: {KT_REASON}")
 def test_kt_backend_within_its_bf16_rounding(ckpt, reference_logits):
     model = offloaded(ckpt, 2, host_backend="kt")
@@ -197,7 +222,6 @@ def test_an_all_resident_load_that_cannot_fit_is_refused_with_the_arithmetic():
     (["--placement", "dynamic"], "--placement needs --offload-experts N"),
     (["--offload-experts", "2", "--placement", "frequency"], "needs a frequency_file"),
     (["--offload-experts", "2", "--frequency-file", "/nonexistent.json", "--placement", "dynamic"], "no such file"),
-    (["--offload-experts", "2", "--exe-mode", "graph"], "MoE offload runs eager"),
     (["--offload-experts", "2", "--config", "configs/tiny-cpu-dp2-ep2.yaml"], "one process"),
     (["--offload-experts", "2", "--host-backend", "gpu"], "invalid choice"),
 ])
@@ -207,6 +231,14 @@ def test_bad_offload_flags_give_one_line_and_exit_2(argv, needle, capsys, monkey
         generate.parse_args(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_record_routing_in_graph_mode_is_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.chdir(generate.HERE)
+    with pytest.raises(SystemExit) as e:
+        generate.parse_args(["--record-routing", "counts.json", "--exe-mode", "graph"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--record-routing counts on the host in eager steps" in err, err
 
 
 def test_generate_records_routing_then_runs_offloaded_from_it(ckpt, tmp_path, capsys):
