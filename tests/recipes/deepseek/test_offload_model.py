@@ -16,7 +16,7 @@ from common.parallel import LLMParallelLayout, Parallel
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import DeepseekV4, prefill_logits
 from tiny_deepseek_v4 import TINY_CONFIG, write_tiny_checkpoint
-from weights_deepseek_v4 import check_fits, load_model, model_bytes
+from weights_deepseek_v4 import check_fits, load_model, model_bytes, shard_placement
 
 KT_REASON = kt_kernel_unavailable()
 PROMPTS = [[5, 9, 17, 33, 2, 7, 100, 200, 300, 11, 12], [3, 4, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
@@ -191,10 +191,51 @@ def test_kt_backend_within_its_bf16_rounding(ckpt, reference_logits):
     assert (out.argmax(-1) == reference_logits.argmax(-1)).float().mean() > 0.9
 
 
-def test_offload_refuses_more_ranks_bad_sizes_and_quantized_experts(ckpt):
+def rank_generate_offloaded(path, counts_file, out_dir):
+    """One rank of DP2 + EP2: its 4 experts of every layer, 2 resident (the frequency file's top 2 of its shard)
+    and 2 on its host; chunked prefill; every output's tokens saved."""
+    from common.parallel import destroy_parallel, init_parallel
+    parallel = init_parallel(LLMParallelLayout(world_size=2, lmhead_tp=2))
+    try:
+        model = load_model(path, torch.float32, parallel=parallel, offload=MoEOffloadConfig(
+            2, placement="frequency", frequency_file=str(counts_file)), mtp=True)
+        llm = LLM(model, AutoTokenizer.from_pretrained(path), block_size=16, max_num_batched_tokens=8)
+        outs = llm.generate(PROMPTS + [PROMPTS[0][::-1]], GREEDY, use_tqdm=False)
+        held = {layer: t.tolist() for layer, t in model.offload.resident.experts.items()}
+        torch.save(([o.token_ids for o in outs], held, model.offload.host.layers, model.offload.hit_rate(),
+                    sorted(model.checkpoint_reads)), out_dir / f"rank{parallel.rank}.pt")
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.slow
+def test_dp2_ep2_offloaded_equals_one_process_all_resident(ckpt, full, counts_file, tmp_path):
+    """Attention DP2 + EP2 (gloo): each rank holds 2 resident slots of its own 4 experts a layer and computes the
+    other 2 on its host, for the rows dispatched to it from both ranks; greedy tokens equal one all-resident
+    process's."""
+    from dist_helpers import run_ranks
+    run_ranks(rank_generate_offloaded, 2, ckpt, counts_file, tmp_path)
+    prompts = PROMPTS + [PROMPTS[0][::-1]]
+    want = [o.token_ids for o in LLM(full, AutoTokenizer.from_pretrained(ckpt), block_size=16).generate(
+        prompts, GREEDY, use_tqdm=False)]
+    counts = json.loads(counts_file.read_text())["counts"]
+    for rank in range(2):
+        tokens, held, host_layers, hit_rate, reads = torch.load(tmp_path / f"rank{rank}.pt")
+        assert tokens == want
+        assert 0 < hit_rate < 1 and host_layers == (0, 1, 2, 3, 4)
+        for layer in range(4):  # its shard's two most routed experts, numbered in the shard
+            shard = counts[str(layer)][4 * rank: 4 * rank + 4]
+            assert sorted(shard[e] for e in held[layer]) == sorted(shard)[-2:]
+        experts = {int(n.split(".")[4]) for n in reads if n.startswith("layers.") and ".ffn.experts." in n}
+        assert experts == set(range(4 * rank, 4 * rank + 4))  # its shard only
+
+
+def test_offload_refuses_bad_sizes_dynamic_over_ranks_and_quantized_experts(ckpt):
     args = ModelArgs.from_config(TINY_CONFIG)
-    with pytest.raises(ValueError, match="one process"):
-        DeepseekV4(args, Parallel(LLMParallelLayout(world_size=2)), offload_slots=2)
+    with pytest.raises(ValueError, match=r"must be in 1\.\.4 \(the model's routed experts over moe_ep 2"):
+        DeepseekV4(args, Parallel(LLMParallelLayout(world_size=2)), offload_slots=5)
+    with pytest.raises(ValueError, match="dynamic placement runs on one process"):
+        shard_placement(MoEOffloadConfig(2, placement="dynamic").make_placement(), 4, 4)
     for n in (0, 9):
         with pytest.raises(ValueError, match="resident experts per layer must be in 1..8"):
             DeepseekV4(args, offload_slots=n)
@@ -222,7 +263,8 @@ def test_an_all_resident_load_that_cannot_fit_is_refused_with_the_arithmetic():
     (["--placement", "dynamic"], "--placement needs --offload-experts N"),
     (["--offload-experts", "2", "--placement", "frequency"], "needs a frequency_file"),
     (["--offload-experts", "2", "--frequency-file", "/nonexistent.json", "--placement", "dynamic"], "no such file"),
-    (["--offload-experts", "2", "--config", "configs/tiny-cpu-dp2-ep2.yaml"], "one process"),
+    (["--offload-experts", "2", "--placement", "dynamic", "--config", "configs/tiny-cpu-dp2-ep2.yaml"],
+     "placement dynamic runs on one process"),
     (["--offload-experts", "2", "--host-backend", "gpu"], "invalid choice"),
 ])
 def test_bad_offload_flags_give_one_line_and_exit_2(argv, needle, capsys, monkeypatch):
