@@ -11,7 +11,6 @@ rank does this for its own shard of E/P experts (numbered from 0 in its tables a
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 
 import torch
@@ -277,7 +276,7 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, device="cpu", mtp: bool = Fa
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
     on_cpu = torch.device(device).type == "cpu"
     if available is None:
-        host_free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        host_free = backend.host_memory_available()
         available = (host_free if on_cpu else backend.memory_info()[0], host_free)
     dev_free, host_free = available
     what = "all routed experts resident" if offload_slots is None else f"{offload_slots} resident experts a layer"
