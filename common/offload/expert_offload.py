@@ -25,6 +25,7 @@ not resident is computed on the host.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 
@@ -59,7 +60,9 @@ class ExpertOffload:
         self.step_seq_ids: torch.Tensor | None = None  # [T] their sequence in the step's batch
         self.pairs = self.resident_pairs = None  # routed pairs seen / of them on the device (device tensors)
         self.swaps = 0  # experts copied into slots by dynamic placement
-        self.pending: dict[int, HostMoEHandle] = {}  # layer -> its submitted, not yet synced host work
+        self.pending: dict[int, tuple] = {}  # layer -> (its submitted host work, submit's seconds, hits, pairs)
+        self.host_log: list[tuple[int, int, float, int, int]] | None = None  # a list: every call's (layer, rows,
+        #   seconds the caller spent in the host's submit and sync, resident pairs, pairs) (bench_offload.py)
         self.name = f"offload{next(_NAMES)}"  # what the graph's host ops look this object up by
         _LIVE[self.name] = self
 
@@ -84,7 +87,12 @@ class ExpertOffload:
         """Wait for `layer`'s host half (route's ticket) -> its partial sum [T, D] in hidden's dtype and device."""
         if torch.compiler.is_compiling():
             return torch.ops.npu_cookbook.host_experts_sync(ticket, hidden, self.name, layer)
-        return self.host.sync(self.pending.pop(layer))
+        start = time.perf_counter()
+        handle, submit_seconds, hits, pairs = self.pending.pop(layer)
+        out = self.host.sync(handle)
+        if self.host_log is not None:
+            self.host_log.append((layer, hidden.shape[0], submit_seconds + time.perf_counter() - start, hits, pairs))
+        return out
 
     def submit(self, layer: int, hidden: torch.Tensor, host_ids: torch.Tensor, host_weights: torch.Tensor,
                topk_ids: torch.Tensor, seq_ids: torch.Tensor | None) -> torch.Tensor:
@@ -94,7 +102,11 @@ class ExpertOffload:
             raise RuntimeError(CUDA_GRAPH)
         if layer in self.pending:
             raise RuntimeError(f"layer {layer}'s host experts were submitted twice without a sync")
-        self.pending[layer] = self.host.submit(layer, hidden, host_ids, host_weights)
+        start = time.perf_counter()
+        handle = self.host.submit(layer, hidden, host_ids, host_weights)
+        seconds = time.perf_counter() - start
+        logged = self.host_log is not None  # (counting reads the device; logging is a bench's)
+        self.pending[layer] = (handle, seconds, int((host_ids < 0).sum()) if logged else 0, topk_ids.numel())
         if self.dynamic and layer in self.dynamic_layers and seq_ids is not None:
             # copies: a compiled graph may reuse its buffers (and its input buffers are refilled next step)
             self.step_ids[layer], self.step_seq_ids = topk_ids.clone(), seq_ids.clone()

@@ -129,6 +129,7 @@ class Experts(nn.Module):
             self.w13 = nn.Parameter(torch.empty(E, 2 * I, D))
             self.w2 = nn.Parameter(torch.empty(E, D, I))
             self.w13_scale = self.w2_scale = None
+            self.w13.optional = self.w2.optional = E == 0  # no slot (MoE offload, all on the host): nothing to load
             return
         packed = 2 if self.group_size else 1  # int4: two values a byte
         for name, (n, k) in (("w13", (2 * I, D)), ("w2", (D, I))):
@@ -375,7 +376,7 @@ class MoE(nn.Module):
         self.ep_group, self.tp_group = parallel.group("moe_ep"), parallel.group("attn_tp")
         self.ep_size, self.ep_rank = parallel.size("moe_ep"), parallel.rank_in("moe_ep")
         self.tp_size, self.tp_rank = parallel.size("attn_tp"), parallel.rank_in("attn_tp")
-        E = num_slots or args.n_routed_experts // self.ep_size
+        E = num_slots if num_slots is not None else args.n_routed_experts // self.ep_size
         self.layer = layer
         self.hash = args.mlp_layer_types[layer] == "hash_moe"
         self.args = args
@@ -423,10 +424,12 @@ class MoE(nn.Module):
         resident slots and the shared expert here, then the host's partial sum added."""
         a = self.args
         slots, slot_weights, ticket = self.offload.route(self.layer, x, idx, weights, seq_ids)  # [T, k] x2
+        shared = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)  # [T, D]
+        if not self.offload.num_slots:  # every routed expert on the host
+            return shared + self.offload.sync(self.layer, ticket, x)
         xs, row_idx, counts = ops.moe_init_routing(x, slots, self.offload.num_slots)  # [T*k, D] by slot
         h = ops.swiglu(self.experts.matmul(xs, "w13", counts), a.swiglu_limit)  # [T*k, I]
         y = self.experts.matmul(h, "w2", counts)  # [T*k, D]; host pairs: slot 0 times weight 0
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
         out = ops.moe_finalize_routing(y, slot_weights, row_idx, shared)  # [T, D]
         return out + self.offload.sync(self.layer, ticket, x)  # [T, D]
 
@@ -441,6 +444,8 @@ class MoE(nn.Module):
         ids = expert.clamp(max=E_local - 1).unsqueeze(1)  # [M, 1] this rank's expert (padding: its last, weight 0)
         ones = (expert < E_local).float().unsqueeze(1)  # [M, 1]
         slots, slot_weights, ticket = self.offload.route(self.layer, xe, ids, ones)  # [M, 1] x2
+        if not self.offload.num_slots:  # every routed expert on the host
+            return self.offload.sync(self.layer, ticket, xe)
         xs, row_idx, counts = ops.moe_init_routing(xe, slots, self.offload.num_slots)  # [M, D] by slot
         h = ops.swiglu(self.experts.matmul(xs, "w13", counts), a.swiglu_limit)  # [M, I]
         y = ops.moe_finalize_routing(self.experts.matmul(h, "w2", counts), slot_weights, row_idx)  # [M, D]
@@ -574,8 +579,8 @@ def check_layout(args: ModelArgs, layout: par.LLMParallelLayout) -> None:
 def check_offload(args: ModelArgs, layout: par.LLMParallelLayout, num_slots: int) -> None:
     """ValueError unless MoE offload with num_slots resident experts per layer can run this model and layout."""
     shard = args.n_routed_experts // layout.moe_ep
-    if not 1 <= num_slots <= shard:
-        raise ValueError(f"resident experts per layer must be in 1..{shard} (the model's routed experts"
+    if not 0 <= num_slots <= shard:
+        raise ValueError(f"resident experts per layer must be in 0..{shard} (the model's routed experts"
                          + (f" over moe_ep {layout.moe_ep}: each rank's shard" if layout.moe_ep > 1 else "")
                          + f"), got {num_slots}")
     if args.quant_format is not None:
