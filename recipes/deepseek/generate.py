@@ -89,7 +89,7 @@ def main(argv=None) -> int:
              f"mean_accepted_length={s.mean_accepted_length:.2f}" if engine.config.num_speculative_tokens else "")
           + (f" exe_mode=graph graph_steps={sum(graphs.replays.values())} compile_s={graphs.capture_seconds:.1f}"
              if (graphs := engine.runner.graphs) is not None else "")
-          + (f" offload={off.num_slots}/{model.args.n_routed_experts} placement={a.offload.placement} "
+          + (f" offload={off.num_slots}/{off.resident.num_experts} placement={a.offload.placement} "
              f"host={a.offload.host_backend} resident_hit_rate={off.hit_rate():.2f} swaps={off.swaps}"
              if a.family.supports_offload and (off := model.offload) is not None else ""))
     if counter is not None:
