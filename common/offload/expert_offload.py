@@ -100,8 +100,8 @@ class ExpertOffload:
         [T, k], -1 where resident), count the hits, keep the routing for dynamic placement -> a ticket (empty)."""
         if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(CUDA_GRAPH)
-        if layer in self.pending:
-            raise RuntimeError(f"layer {layer}'s host experts were submitted twice without a sync")
+        if (stale := self.pending.pop(layer, None)) is not None:  # a step that failed between submit and sync:
+            self.host.sync(stale[0])  # its work finishes before its buffers go (kt-kernel still writes them)
         start = time.perf_counter()
         handle = self.host.submit(layer, hidden, host_ids, host_weights)
         seconds = time.perf_counter() - start

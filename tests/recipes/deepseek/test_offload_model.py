@@ -113,6 +113,20 @@ def test_resident_plus_host_plus_shared_equals_the_full_moe_per_layer(ckpt, full
         assert host.abs().sum() > 0 and resident.abs().sum() > 0  # both halves did work
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("kt", marks=pytest.mark.skipif(
+    KT_REASON is not None, reason=f"kt-kernel: {KT_REASON}"))])
+def test_host_work_of_a_step_that_failed_before_its_sync_is_waited_for_and_dropped(ckpt, full, backend):
+    model = offloaded(ckpt, 2, host_backend=backend)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, model.args.hidden_size, generator=g)  # [T, D]
+    ids = torch.randint(2, 500, (5,), generator=g)
+    model.offload.route(1, 3 * x, torch.full((5, 2), 7), torch.ones(5, 2))  # submitted; its step never syncs
+    want = full.layers[1].ffn(x, ids)
+    tol = 1e-5 if backend == "torch" else 2e-2 * float(want.abs().max())  # kt: bf16 activations
+    assert torch.allclose(model.layers[1].ffn(x, ids), want, atol=tol, rtol=0)
+    assert not model.offload.pending
+
+
 def test_a_placement_change_between_requests_keeps_the_results(ckpt, full, reference_logits):
     model = offloaded(ckpt, 2, placement="dynamic")
     first = prefill_logits(model, PROMPTS[:1])
