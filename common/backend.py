@@ -94,9 +94,15 @@ def memory_info() -> tuple[int, int]:
     """(free, total) bytes on the current device; on CPU, available and total host memory."""
     if device_type() != "cpu":
         return tuple(int(v) for v in _module().mem_get_info())
-    pages, avail = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_AVPHYS_PAGES")
-    size = os.sysconf("SC_PAGE_SIZE")
-    return avail * size, pages * size
+    return host_memory_available(), os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_memory_available() -> int:
+    """Host memory a new allocation can get without swapping: free pages plus the page cache the kernel would
+    reclaim (Linux's MemAvailable), not the free pages alone (a machine that read files has few)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 @functools.cache

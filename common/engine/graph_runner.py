@@ -11,7 +11,8 @@ step (prefill, mixed prefill + decode, an MTP step whose drafts were cut short) 
 CPU: each bucket is `torch.compile(fullgraph=True, dynamic=False)` (inductor), compiled at start-up, one bucket
 after the other under a progress bar, by a step over padding alone (padding writes only to the null block).
 The GEMMs stay the oneDNN-packed ones of common/cpu_gemm.py, as opaque custom ops, and so does the MoE's
-expert loop (its host split is no device sync on CPU). Inductor keeps what it compiled on disk (its FX graph
+expert loop (its host split is no device sync on CPU), and MoE offload's host experts (common/offload: a submit
+op and a sync op, which run the host backend at every replay; a CUDA capture refuses them). Inductor keeps what it compiled on disk (its FX graph
 cache under TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_<user>), so a second start traces again but
 compiles nothing. That cache keys a graph by its code, not by the vector width inductor wrote it for, and the same
 folder may serve another CPU kind (an AVX-512 graph rebuilt for AVX2 indexes out of bounds): the compile pins

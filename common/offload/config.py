@@ -12,8 +12,8 @@ HOST_BACKENDS = ("torch", "kt")
 
 @dataclasses.dataclass(frozen=True)
 class MoEOffloadConfig:
-    """resident_experts: N device slots per MoE layer (hash-routed and MTP layers too), 1..E; the other experts
-    run on the host. placement: which experts take the slots (prefix: 0..N-1; frequency: the N most routed in
+    """resident_experts: N device slots per MoE layer (hash-routed and MTP layers too), 0..E (0: every routed
+    expert on the host); the other experts run on the host. placement: which experts take the slots (prefix: 0..N-1; frequency: the N most routed in
     `frequency_file`; dynamic: the N the last prefill routed most, starting from frequency_file's, else the
     prefix). host_backend: torch (exact, fp32) or kt (kt-kernel's MXFP4 kernels, bf16 activations)."""
 
@@ -24,8 +24,8 @@ class MoEOffloadConfig:
 
     def __post_init__(self):
         n = self.resident_experts
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"moe_offload resident_experts must be an int >= 1, got {n!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"moe_offload resident_experts must be an int >= 0, got {n!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"moe_offload placement {self.placement!r}: expected one of {list(PLACEMENTS)}")
         if self.host_backend not in HOST_BACKENDS:

@@ -74,11 +74,12 @@ class MXFP4Experts:
         return sum(t.nbytes for t in (self.w13, self.w13_scale, self.w2, self.w2_scale))
 
     @classmethod
-    def from_checkpoint(cls, ckpt, prefix: str, num_experts: int) -> "MXFP4Experts":
-        """Read `{prefix}.{e}.w1|w3|w2.weight` and `.scale` (the publisher's names, e.g. prefix
-        "layers.3.ffn.experts") from a common.loader.Checkpoint, as stored, into the stacked tensors."""
+    def from_checkpoint(cls, ckpt, prefix: str, num_experts: int, first: int = 0) -> "MXFP4Experts":
+        """Read experts first..first+num_experts-1 (an expert-parallel rank's shard; stacked from 0) as stored:
+        `{prefix}.{e}.w1|w3|w2.weight` and `.scale` (the publisher's names, e.g. prefix "layers.3.ffn.experts")
+        from a common.loader.Checkpoint, into the stacked tensors."""
         def stored(e: int, w: str):
-            name = f"{prefix}.{e}.{w}"
+            name = f"{prefix}.{first + e}.{w}"
             return ckpt.get(f"{name}.weight"), ckpt.get(f"{name}.scale")
 
         w1, s1 = stored(0, "w1")

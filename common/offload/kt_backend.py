@@ -154,9 +154,10 @@ class KTKernelHostExperts(HostExperts):
         self._check(layer, hidden, topk_ids, topk_weights)
         if topk_ids.shape[1] != self.k:
             raise ValueError(f"topk_ids has {topk_ids.shape[1]} experts per token, the kernels were built for {self.k}")
-        x = hidden.to("cpu", torch.bfloat16).contiguous()                             # [T, D]
-        ids = topk_ids.to("cpu", torch.int64).contiguous()                            # [T, k]
-        weights = topk_weights.to("cpu", torch.float32).contiguous()                  # [T, k]
+        # copies the kernel owns until sync (a compiled graph may reuse the callers' buffers before it syncs)
+        x = hidden.to("cpu", torch.bfloat16, copy=True).contiguous()                  # [T, D]
+        ids = topk_ids.to("cpu", torch.int64, copy=True).contiguous()                 # [T, k]
+        weights = topk_weights.to("cpu", torch.float32, copy=True).contiguous()       # [T, k]
         out = torch.empty_like(x)                                                     # [T, D]
         keep = [x, ids, weights, out]
         for start in range(0, x.shape[0], self.max_tokens):

@@ -18,6 +18,7 @@ from common.engine.config import EXE_MODES
 from common.loader import Checkpoint, CheckpointError
 from common.offload import HOST_BACKENDS, PLACEMENTS, MoEOffloadConfig
 from model_family import FAMILIES, family_of_config, load_tokenizer
+from modeling_deepseek_v4 import check_offload
 
 HERE = Path(__file__).resolve().parent
 TINY = FAMILIES["deepseek-v4"].tiny
@@ -76,12 +77,12 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     a.offload = moe_offload(p, a)
     if a.offload is not None and not a.family.supports_offload:
         p.error(f"MoE offload serves DeepSeek-V4's MXFP4 experts; {a.family.name} has none")
-    if a.offload is not None and a.exe_mode == "graph":
-        p.error("MoE offload runs eager: the host experts' call is not capturable in a decode graph (use "
-                "--exe-mode eager)")
-    if a.offload is not None and a.layout.world_size > 1:
-        p.error(f"MoE offload runs on one process (moe_ep 1); --config {a.config.name} has "
-                f"{a.layout.world_size} ranks (moe_ep {a.layout.moe_ep}): use --serve --dp N for replicas")
+    if a.offload is not None and a.exe_mode == "graph" and backend.device_type() != "cpu":
+        p.error(f"MoE offload in graph mode runs on CPU (torch.compile); on {backend.device_type()} a captured graph "
+                "would replay without the host experts' call: use --exe-mode eager")
+    if a.offload is not None and a.offload.placement == "dynamic" and a.layout.moe_ep > 1:
+        p.error(f"MoE offload placement dynamic runs on one process (moe_ep 1); --config {a.config.name} has moe_ep "
+                f"{a.layout.moe_ep}: use placement prefix or frequency (each rank places its own experts)")
     try:
         EngineConfig.from_kwargs(**(a.preset.get("engine") or {}))  # checked before any rank starts
     except (ValueError, TypeError) as e:
@@ -91,6 +92,8 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
         try:
             args = a.family.model_args(Checkpoint(path).config)
             a.family.check_layout(args, a.layout)
+            if a.offload is not None:  # (V4 alone offloads)
+                check_offload(args, a.layout, a.offload.resident_experts)
             check_quantization(a, args, path)
         except (CheckpointError, ValueError) as e:
             p.error(f"--config {a.config.name}: {e}")

@@ -47,6 +47,9 @@ def parse_args(argv=None):
     check_model_args(p, a)
     if a.record_routing is not None and not a.family.supports_offload:
         p.error(f"--record-routing counts DeepSeek-V4's routed experts (MoE offload); {a.family.name} has no offload")
+    if a.record_routing is not None and a.exe_mode == "graph":
+        p.error("--record-routing counts on the host in eager steps (a graph step's padding rows are routed too): "
+                "use --exe-mode eager")
     return a
 
 
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
              f"mean_accepted_length={s.mean_accepted_length:.2f}" if engine.config.num_speculative_tokens else "")
           + (f" exe_mode=graph graph_steps={sum(graphs.replays.values())} compile_s={graphs.capture_seconds:.1f}"
              if (graphs := engine.runner.graphs) is not None else "")
-          + (f" offload={off.num_slots}/{model.args.n_routed_experts} placement={a.offload.placement} "
+          + (f" offload={off.num_slots}/{off.resident.num_experts} placement={a.offload.placement} "
              f"host={a.offload.host_backend} resident_hit_rate={off.hit_rate():.2f} swaps={off.swaps}"
              if a.family.supports_offload and (off := model.offload) is not None else ""))
     if counter is not None:

@@ -13,9 +13,11 @@ the shared expert, router and mHC are replicated; embedding and LM head are voca
 `lmhead_tp`. Each parameter that is a slice carries `.shard`, which the loader reads. One process: every group
 is None and every collective returns its input.
 
-MoE offload (one process, `offload_slots` N): every MoE layer (hash-routed and MTP ones too) holds N resident
-expert slots, so shapes stay fixed whatever is resident; the routed pairs of the other experts are computed on the
-host (common.offload), submitted before the resident and shared experts run and added after them.
+MoE offload (`offload_slots` N): every MoE layer (hash-routed and MTP ones too) holds N resident expert slots, so
+shapes stay fixed whatever is resident; the routed pairs of the other experts are computed on the host
+(common.offload), submitted before the resident and shared experts run and added after them. One process splits
+each token's top-k pairs (the host sums its pairs per token); over moe_ep ranks each rank holds N slots of its own
+E/P experts and its host the rest of that shard, and splits the rows dispatched to it (one expert each).
 """
 from __future__ import annotations
 
@@ -128,6 +130,7 @@ class Experts(nn.Module):
             self.w13 = nn.Parameter(torch.empty(E, 2 * I, D))
             self.w2 = nn.Parameter(torch.empty(E, D, I))
             self.w13_scale = self.w2_scale = None
+            self.w13.optional = self.w2.optional = E == 0  # no slot (MoE offload, all on the host): nothing to load
             return
         packed = 2 if self.group_size else 1  # int4: two values a byte
         for name, (n, k) in (("w13", (2 * I, D)), ("w2", (D, I))):
@@ -364,18 +367,17 @@ class MoE(nn.Module):
     """Routed experts (top-k by scores + bias, or hash routing by token id) plus one shared expert; the routed
     experts sharded over moe_ep (this rank, ep_rank, holds experts [ep_rank * E/P, + E/P)).
 
-    MoE offload (num_slots N, one process): `experts` holds N resident slots; `offload` (a common.offload
-    ExpertOffload, set by the loader) maps each routed pair to its slot or to the host, which computes the
-    others. `routing_counter` (a common.offload RoutingCounter, optional) counts the router's choices."""
+    MoE offload (num_slots N): `experts` holds N resident slots (of this rank's E/P experts); `offload` (a
+    common.offload ExpertOffload, set by the loader, in this rank's expert numbering) maps each routed pair (over
+    ranks: each dispatched row) to its slot or to the host, which computes the others. `routing_counter` (a
+    common.offload RoutingCounter, optional) counts the router's choices."""
 
     def __init__(self, args: ModelArgs, layer: int, parallel: par.Parallel, num_slots: int | None = None):
         super().__init__()
         self.ep_group, self.tp_group = parallel.group("moe_ep"), parallel.group("attn_tp")
         self.ep_size, self.ep_rank = parallel.size("moe_ep"), parallel.rank_in("moe_ep")
         self.tp_size, self.tp_rank = parallel.size("attn_tp"), parallel.rank_in("attn_tp")
-        if num_slots is not None and parallel.layout.world_size != 1:
-            raise ValueError("MoE offload runs on one process (moe_ep 1)")
-        E = num_slots or args.n_routed_experts // self.ep_size
+        E = num_slots if num_slots is not None else args.n_routed_experts // self.ep_size
         self.layer = layer
         self.hash = args.mlp_layer_types[layer] == "hash_moe"
         self.args = args
@@ -401,14 +403,18 @@ class MoE(nn.Module):
         )  # [T_r, k], [T_r, k]
         if self.routing_counter is not None:
             self.routing_counter.add(self.layer, idx)
-        if self.offload is not None:
+        if self.offload is not None and self.ep_group is None:
             return self._forward_offloaded(x_r, weights, idx, seq_ids)
         xs, row_idx, counts = ops.moe_init_routing(x_r, idx, a.n_routed_experts)  # [T_r*k, D] by global expert
         capacity = runs[0].shape[0] * a.num_experts_per_tok if uniform else None  # the largest share's rows: every
         #   rank's (tensor_split gives the first ranks one more token when T is not a multiple of attn_tp)
         xe, local_counts, handle = par.dispatch_to_experts(xs, counts, self.ep_group, capacity)  # [M, D] by expert
-        h = ops.swiglu(self.experts.matmul(xe, "w13", local_counts), a.swiglu_limit)  # [M, I]
-        y = par.combine_from_experts(self.experts.matmul(h, "w2", local_counts), handle, self.ep_group)
+        if self.offload is not None:
+            ye = self._offloaded_rows(xe, local_counts)  # [M, D]
+        else:
+            ye = self.experts.matmul(ops.swiglu(self.experts.matmul(xe, "w13", local_counts), a.swiglu_limit),
+                                     "w2", local_counts)  # [M, D]
+        y = par.combine_from_experts(ye, handle, self.ep_group)
         shared = self.shared_experts(x_r) if self.shared_experts is not None else None
         out = ops.moe_finalize_routing(y, weights, row_idx, shared)  # [T_r, D]
         return par.all_gather_v(out, [len(run) for run in runs], self.tp_group)  # [T, D]
@@ -418,13 +424,33 @@ class MoE(nn.Module):
         """x [T, D], the router's weights / idx [T, k] -> [T, D]: the host experts submitted first, then the
         resident slots and the shared expert here, then the host's partial sum added."""
         a = self.args
-        slots, slot_weights, handle = self.offload.route(self.layer, x, idx, weights, seq_ids)  # [T, k] x2
+        slots, slot_weights, ticket = self.offload.route(self.layer, x, idx, weights, seq_ids)  # [T, k] x2
+        shared = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)  # [T, D]
+        if not self.offload.num_slots:  # every routed expert on the host
+            return shared + self.offload.sync(self.layer, ticket, x)
         xs, row_idx, counts = ops.moe_init_routing(x, slots, self.offload.num_slots)  # [T*k, D] by slot
         h = ops.swiglu(self.experts.matmul(xs, "w13", counts), a.swiglu_limit)  # [T*k, I]
         y = self.experts.matmul(h, "w2", counts)  # [T*k, D]; host pairs: slot 0 times weight 0
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
         out = ops.moe_finalize_routing(y, slot_weights, row_idx, shared)  # [T, D]
-        return out + self.offload.host.sync(handle)  # [T, D]
+        return out + self.offload.sync(self.layer, ticket, x)  # [T, D]
+
+    def _offloaded_rows(self, xe: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+        """Expert parallel with offload: the rows dispatched here xe [M, D], grouped by this rank's expert
+        (local_counts [E/P]; a graph step's padding rows last, past their sum) -> each row through its expert [M, D]
+        (weight 1; the router's weights are applied after the combine): the host's rows submitted first, then the
+        resident slots' here, then the host's added."""
+        a, E_local = self.args, local_counts.shape[0]
+        rows = torch.arange(xe.shape[0], device=xe.device)
+        expert = torch.searchsorted(local_counts.cumsum(0), rows, right=True)  # [M]; E_local: padding
+        ids = expert.clamp(max=E_local - 1).unsqueeze(1)  # [M, 1] this rank's expert (padding: its last, weight 0)
+        ones = (expert < E_local).float().unsqueeze(1)  # [M, 1]
+        slots, slot_weights, ticket = self.offload.route(self.layer, xe, ids, ones)  # [M, 1] x2
+        if not self.offload.num_slots:  # every routed expert on the host
+            return self.offload.sync(self.layer, ticket, xe)
+        xs, row_idx, counts = ops.moe_init_routing(xe, slots, self.offload.num_slots)  # [M, D] by slot
+        h = ops.swiglu(self.experts.matmul(xs, "w13", counts), a.swiglu_limit)  # [M, I]
+        y = ops.moe_finalize_routing(self.experts.matmul(h, "w2", counts), slot_weights, row_idx)  # [M, D]
+        return y + self.offload.sync(self.layer, ticket, xe)  # [M, D]
 
 
 class SharedExpert(nn.Module):
@@ -553,12 +579,11 @@ def check_layout(args: ModelArgs, layout: par.LLMParallelLayout) -> None:
 
 def check_offload(args: ModelArgs, layout: par.LLMParallelLayout, num_slots: int) -> None:
     """ValueError unless MoE offload with num_slots resident experts per layer can run this model and layout."""
-    if layout.world_size != 1:
-        raise ValueError(f"MoE offload runs on one process (moe_ep 1); this layout has {layout.world_size} ranks "
-                         f"(moe_ep {layout.moe_ep}): serve more replicas with --serve --dp N instead")
-    if not 1 <= num_slots <= args.n_routed_experts:
-        raise ValueError(f"resident experts per layer must be in 1..{args.n_routed_experts} (the model's routed "
-                         f"experts), got {num_slots}")
+    shard = args.n_routed_experts // layout.moe_ep
+    if not 0 <= num_slots <= shard:
+        raise ValueError(f"resident experts per layer must be in 0..{shard} (the model's routed experts"
+                         + (f" over moe_ep {layout.moe_ep}: each rank's shard" if layout.moe_ep > 1 else "")
+                         + f"), got {num_slots}")
     if args.quant_format is not None:
         raise ValueError(f"MoE offload reads the publisher's MXFP4 experts; this checkpoint is {args.quant_format}")
 

@@ -63,22 +63,36 @@ _MXFP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 _FP32 = re.compile(r"(hc_|\.ape$|attn_sink$|norm\.weight$|^norm|gate\.bias$)")  # kept fp32 by the publisher
 
 
-def random_state(args: ModelArgs, seed: int, head_scale: float = 8.0) -> dict[str, torch.Tensor]:
-    """Publisher-named fp32 tensors; lm head scaled up so greedy choices are clear (not near-ties)."""
+HEAD_SCALE = 8.0  # the random lm head scaled up so greedy choices are clear (not near-ties)
+
+
+def random_tensor(name: str, t: torch.Tensor, g: torch.Generator, num_experts: int) -> torch.Tensor:
+    """A random value for the model's tensor `name` (t: the model's own, for its shape and dtype; may be on the meta
+    device), drawn from g: norms and scales near 1, other vectors small, matrices ~ 1/sqrt(fan-in), each token's
+    hash-routing row k distinct experts."""
+    if name.endswith("tid2eid"):  # each token -> k distinct experts
+        v = torch.stack([torch.randperm(num_experts, generator=g)[: t.shape[1]] for _ in range(t.shape[0])])
+    elif t.dim() == 1 and ("norm" in name or name.endswith("scale")):
+        v = 1 + 0.1 * torch.randn(t.shape, generator=g)
+    elif t.dim() == 1 or name.endswith(".ape"):
+        v = 0.5 * torch.randn(t.shape, generator=g)
+    else:
+        v = torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5
+    return v.to(t.dtype) * (HEAD_SCALE if name == "head.weight" else 1)
+
+
+def random_state(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
+    """Publisher-named fp32 tensors (random_tensor's values)."""
     g = torch.Generator().manual_seed(seed)
     model = DeepseekV4(args, mtp=True)  # with num_nextn_predict_layers MTP blocks (`mtp.<i>.*`), none for 0
-    out = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("tid2eid"):  # each token -> k distinct experts
-            v = torch.stack([torch.randperm(args.n_routed_experts, generator=g)[: t.shape[1]] for _ in range(t.shape[0])])
-        elif t.dim() == 1 and ("norm" in name or name.endswith("scale")):
-            v = 1 + 0.1 * torch.randn(t.shape, generator=g)
-        elif t.dim() == 1 or name.endswith(".ape"):
-            v = 0.5 * torch.randn(t.shape, generator=g)
-        else:
-            v = torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5
-        out[name] = v.to(t.dtype)
-    out["head.weight"] *= head_scale
+    return publisher_names({name: random_tensor(name, t, g, args.n_routed_experts)
+                            for name, t in model.state_dict().items()})
+
+
+def publisher_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's tensors under the publisher's names: routed-expert stacks [E, ...] as one w1 / w3 / w2 per expert,
+    the shared expert's packed w13 as its w1 and w3."""
+    out = dict(state)
     for name in [n for n in out if n.endswith(("experts.w13", "experts.w2"))]:  # unstack routed experts
         stacked = out.pop(name)
         base = name.rsplit(".", 1)[0]

@@ -11,7 +11,6 @@ experts, its vocabulary rows.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 
 import torch
@@ -114,7 +113,7 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, device="cpu", mtp: bool = Fa
     need = model_bytes(args, dtype, mtp)
     on_cpu = torch.device(device).type == "cpu"
     if available is None:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if on_cpu else backend.memory_info()[0]
+        available = backend.host_memory_available() if on_cpu else backend.memory_info()[0]
     if need > available:
         where = "host" if on_cpu else "device"
         raise ValueError(f"the weights need {need / 2**30:.2f} GiB in {backend.dtype_name(dtype)}, and "

@@ -5,12 +5,12 @@ stack into `experts.w13` [E, 2I, D] and `experts.w2` [E, D, I], and shared-exper
 
 MoE offload (load_model's `offload`): each MoE layer's resident experts (the placement's choice) are read into
 its N slots, dequantized as the other weights are; the others are never dequantized: every layer's experts go
-to the host backend in MXFP4 as stored (common.offload.MXFP4Experts), held there once.
+to the host backend in MXFP4 as stored (common.offload.MXFP4Experts), held there once. Over moe_ep ranks each
+rank does this for its own shard of E/P experts (numbered from 0 in its tables and host backend).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 
 import torch
@@ -124,11 +124,14 @@ def expert_prefix(layer: int, args: ModelArgs) -> str:
     return f"layers.{layer}.ffn.experts" if layer < L else f"mtp.{layer - L}.ffn.experts"
 
 
-def offload_rename(name: str, args: ModelArgs, resident: ResidentExperts):
-    """As `rename` (publisher layout, one process), an offloaded layer's routed expert going to its resident slot;
-    None (never read) for an expert that is not resident."""
+def offload_rename(name: str, args: ModelArgs, resident: ResidentExperts, first: int = 0):
+    """As `rename` (publisher layout), an offloaded layer's routed expert going to its resident slot; None (never
+    read) for an expert that is not resident, or not in this rank's shard (experts first..first+E/P-1)."""
     if (m := _EXPERT.match(name)) and expert_layer(m[1], args) in resident.slot_of:
-        slot = int(resident.slot_of[expert_layer(m[1], args)][int(m[2])])
+        local = int(m[2]) - first
+        if not 0 <= local < resident.num_experts:
+            return None
+        slot = int(resident.slot_of[expert_layer(m[1], args)][local])
         if slot < 0:
             return None
         stacked, part = ("w2", None) if m[3] == "w2" else ("w13", 0 if m[3] == "w1" else 1)
@@ -147,18 +150,33 @@ def check_mxfp4_experts(ckpt: Checkpoint, args: ModelArgs, layers) -> None:
                                   f"{name} is {ckpt.dtype(name)}")
 
 
-def build_host_experts(ckpt: Checkpoint, args: ModelArgs, layers, backend_name: str, max_tokens: int = 256):
-    """Every offloaded layer's experts in MXFP4 on the host backend (all E of them: any may leave the device)."""
-    E = args.n_routed_experts
-    stored = ((layer, MXFP4Experts.from_checkpoint(ckpt, expert_prefix(layer, args), E)) for layer in layers)
+def build_host_experts(ckpt: Checkpoint, args: ModelArgs, layers, backend_name: str, max_tokens: int = 256,
+                       shard: tuple[int, int] | None = None):
+    """Every offloaded layer's experts in MXFP4 on the host backend (all E of them: any may leave the device).
+    shard (first, E/P): an expert-parallel rank's experts only, which take one dispatched row (one expert) each."""
+    first, E = shard or (0, args.n_routed_experts)
+    stored = ((layer, MXFP4Experts.from_checkpoint(ckpt, expert_prefix(layer, args), E, first)) for layer in layers)
     if backend_name == "kt":  # one layer read at a time, copied into kt-kernel's buffers, then dropped
-        return KTKernelHostExperts(stored, args.num_experts_per_tok, args.swiglu_limit, max_tokens=max_tokens)
+        k = 1 if shard else args.num_experts_per_tok
+        return KTKernelHostExperts(stored, k, args.swiglu_limit, max_tokens=max_tokens)
     return TorchHostExperts(dict(stored), args.swiglu_limit)
 
 
+def shard_placement(placement, first: int, num: int):
+    """An expert-parallel rank's view of a placement: a frequency placement's counts cut to experts
+    first..first+num-1 (renumbered from 0); the prefix placement is the same on every shard."""
+    if isinstance(placement, FrequencyPlacement):
+        return FrequencyPlacement(placement.num_slots, {l: c[first:first + num] for l, c in placement.counts.items()})
+    if isinstance(placement, DynamicPlacement):
+        raise ValueError("dynamic placement runs on one process (moe_ep 1): a rank's prefills end for its own "
+                         "requests while its experts serve every rank's tokens; use prefix or frequency")
+    return placement
+
+
 def expert_fetcher(host, ckpt: Checkpoint, args: ModelArgs):
-    """(layer, expert) -> float (w13 [2I, D], w2 [D, I]) for a newly resident expert: from the torch backend's
-    compact copy; kt-kernel's repacked copy cannot be read back, so from the checkpoint's MXFP4 (one expert)."""
+    """(layer, expert) -> float (w13 [2I, D], w2 [D, I]) for a newly resident expert (one process: dynamic
+    placement): from the torch backend's compact copy; kt-kernel's repacked copy cannot be read back, so from the
+    checkpoint's MXFP4 (one expert)."""
     if isinstance(host, TorchHostExperts):
         def fetch(layer: int, e: int):
             x = host.experts[layer]
@@ -188,9 +206,9 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel
     """Build DeepseekV4 from a checkpoint folder (either layout, FP8 / MXFP4 dequantized on load). With a
     common.parallel.Parallel, this rank's slice of the model, reading only the parts of the tensors it holds.
     mtp: also its MTP blocks (`mtp.<i>.*`, num_nextn_predict_layers of them; CheckpointError if the checkpoint
-    has none); without it the `mtp.*` tensors are not read. offload: MoE offload (one process, the publisher's
-    layout with MXFP4 experts): `model.offload` holds the resident tables and the host experts; max_tokens: the
-    most tokens one host-kernel call takes (kt-kernel's buffers; longer batches are split)."""
+    has none); without it the `mtp.*` tensors are not read. offload: MoE offload (the publisher's layout with
+    MXFP4 experts; over moe_ep ranks, each rank its shard's): `model.offload` holds the resident tables and the host
+    experts; max_tokens: the most rows one host-kernel call takes (kt-kernel's buffers; longer batches are split)."""
     ckpt = Checkpoint(path)
     args = ModelArgs.from_config(ckpt.config)
     if mtp and not args.num_nextn_predict_layers:
@@ -213,14 +231,20 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel
                                   "not the transformers layout")
         moes = model.moe_layers()
         check_mxfp4_experts(ckpt, args, moes)
-        placement = prefix_for_unrecorded(offload.make_placement(), range(args.num_hidden_layers, len(moes)),
-                                          args.n_routed_experts)
+        moe = model.layers[0].ffn
+        E_local = args.n_routed_experts // moe.ep_size
+        first = moe.ep_rank * E_local
         try:
-            resident = ResidentExperts(placement, moes, args.n_routed_experts, device=device)
+            placement = offload.make_placement()
+            if moe.ep_size > 1:
+                placement = shard_placement(placement, first, E_local)
+            placement = prefix_for_unrecorded(placement, range(args.num_hidden_layers, len(moes)), E_local)
+            resident = ResidentExperts(placement, moes, E_local, device=device)
         except ValueError as e:
             raise ValueError(f"moe_offload placement: {e}") from None
-        load_weights(model, ckpt, lambda n: offload_rename(n, args, resident), dtype=dtype, ignore=ignore)
-        host = build_host_experts(ckpt, args, moes, offload.host_backend, max_tokens)
+        load_weights(model, ckpt, lambda n: offload_rename(n, args, resident, first), dtype=dtype, ignore=ignore)
+        host = build_host_experts(ckpt, args, moes, offload.host_backend, max_tokens,
+                                  (first, E_local) if moe.ep_size > 1 else None)
         model.offload = ExpertOffload(resident, host, {layer: moe.experts for layer, moe in moes.items()},
                                       expert_fetcher(host, ckpt, args), dynamic_layers=range(args.num_hidden_layers))
         for moe in moes.values():
@@ -252,7 +276,7 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, device="cpu", mtp: bool = Fa
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
     on_cpu = torch.device(device).type == "cpu"
     if available is None:
-        host_free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        host_free = backend.host_memory_available()
         available = (host_free if on_cpu else backend.memory_info()[0], host_free)
     dev_free, host_free = available
     what = "all routed experts resident" if offload_slots is None else f"{offload_slots} resident experts a layer"

@@ -16,7 +16,7 @@ from common.parallel import LLMParallelLayout, Parallel
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import DeepseekV4, prefill_logits
 from tiny_deepseek_v4 import TINY_CONFIG, write_tiny_checkpoint
-from weights_deepseek_v4 import check_fits, load_model, model_bytes
+from weights_deepseek_v4 import check_fits, load_model, model_bytes, shard_placement
 
 KT_REASON = kt_kernel_unavailable()
 PROMPTS = [[5, 9, 17, 33, 2, 7, 100, 200, 300, 11, 12], [3, 4, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
@@ -56,13 +56,13 @@ def offloaded(ckpt, n, **kw):
     return load_model(ckpt, torch.float32, offload=MoEOffloadConfig(n, **kw), mtp=True)
 
 
-@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("n", [0, 1, 3, 8])
 def test_prefix_placement_equals_all_resident(ckpt, reference_logits, n):
     model = offloaded(ckpt, n)
     assert model.layers[0].ffn.experts.w13.shape[0] == n  # N fixed slots, the hash-routed layer 0 too
     assert model.offload.resident.experts[0].tolist() == list(range(n))
     assert torch.allclose(prefill_logits(model, PROMPTS), reference_logits, atol=1e-4, rtol=0)
-    assert 0 < model.offload.hit_rate() <= 1 and (model.offload.hit_rate() == 1) == (n == 8)
+    assert (model.offload.hit_rate() == 0) == (n == 0) and (model.offload.hit_rate() == 1) == (n == 8)
 
 
 def test_frequency_placement_takes_the_most_routed_and_equals_all_resident(ckpt, counts_file, reference_logits):
@@ -113,6 +113,20 @@ def test_resident_plus_host_plus_shared_equals_the_full_moe_per_layer(ckpt, full
         assert host.abs().sum() > 0 and resident.abs().sum() > 0  # both halves did work
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("kt", marks=pytest.mark.skipif(
+    KT_REASON is not None, reason=f"kt-kernel: {KT_REASON}"))])
+def test_host_work_of_a_step_that_failed_before_its_sync_is_waited_for_and_dropped(ckpt, full, backend):
+    model = offloaded(ckpt, 2, host_backend=backend)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, model.args.hidden_size, generator=g)  # [T, D]
+    ids = torch.randint(2, 500, (5,), generator=g)
+    model.offload.route(1, 3 * x, torch.full((5, 2), 7), torch.ones(5, 2))  # submitted; its step never syncs
+    want = full.layers[1].ffn(x, ids)
+    tol = 1e-5 if backend == "torch" else 2e-2 * float(want.abs().max())  # kt: bf16 activations
+    assert torch.allclose(model.layers[1].ffn(x, ids), want, atol=tol, rtol=0)
+    assert not model.offload.pending
+
+
 def test_a_placement_change_between_requests_keeps_the_results(ckpt, full, reference_logits):
     model = offloaded(ckpt, 2, placement="dynamic")
     first = prefill_logits(model, PROMPTS[:1])
@@ -156,6 +170,31 @@ def test_engine_with_mtp_offloads_the_mtp_block_too(ckpt, full):
     assert model.mtp[0].ffn.experts.w13.shape[0] == 2 and llm.engine.stats.num_draft_tokens > 0
 
 
+def test_graph_decode_with_offload_equals_all_resident_eager(ckpt, full):
+    """exe_mode graph (one bucket of 2, so steps of one sequence are padded) with dynamic placement: the host
+    experts run as opaque ops inside the compiled decode graph; the placement changes between requests (and within
+    a run: a prompt's prefill ends while others decode), rewriting in place the tables and slots the graph reads,
+    without a recompile (the engine fails on one); every token and log-prob equals the all-resident eager model's."""
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    engine_kwargs = dict(block_size=16, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    eager = LLM(full, tok, **engine_kwargs)
+    model = offloaded(ckpt, 2, placement="dynamic")
+    graph = LLM(model, tok, exe_mode="graph", graph_capture_sizes=(2,), **engine_kwargs)
+    for prompts in (PROMPTS, PROMPTS[::-1]):  # the second run starts from the first's resident sets
+        before = {layer: t.tolist() for layer, t in model.offload.resident.experts.items()}
+        replays = graph.engine.runner.graphs.replays[2]
+        want = eager.generate(prompts, params, use_tqdm=False)
+        got = graph.generate(prompts, params, use_tqdm=False)
+        for e, g in zip(want, got):
+            assert g.token_ids == e.token_ids
+            for le, lg in zip(e.logprobs, g.logprobs, strict=True):
+                assert lg.token_id == le.token_id and abs(lg.logprob - le.logprob) < 1e-4
+        assert graph.engine.runner.graphs.replays[2] > replays  # decode steps ran as the graph
+        assert {layer: t.tolist() for layer, t in model.offload.resident.experts.items()} != before
+    assert 0 < model.offload.hit_rate() < 1
+
+
 @pytest.mark.skipif(KT_REASON is not None, reason=f"kt-kernel: {KT_REASON}")
 def test_kt_backend_within_its_bf16_rounding(ckpt, reference_logits):
     model = offloaded(ckpt, 2, host_backend="kt")
@@ -166,12 +205,53 @@ def test_kt_backend_within_its_bf16_rounding(ckpt, reference_logits):
     assert (out.argmax(-1) == reference_logits.argmax(-1)).float().mean() > 0.9
 
 
-def test_offload_refuses_more_ranks_bad_sizes_and_quantized_experts(ckpt):
+def rank_generate_offloaded(path, counts_file, out_dir):
+    """One rank of DP2 + EP2: its 4 experts of every layer, 2 resident (the frequency file's top 2 of its shard)
+    and 2 on its host; chunked prefill; every output's tokens saved."""
+    from common.parallel import destroy_parallel, init_parallel
+    parallel = init_parallel(LLMParallelLayout(world_size=2, lmhead_tp=2))
+    try:
+        model = load_model(path, torch.float32, parallel=parallel, offload=MoEOffloadConfig(
+            2, placement="frequency", frequency_file=str(counts_file)), mtp=True)
+        llm = LLM(model, AutoTokenizer.from_pretrained(path), block_size=16, max_num_batched_tokens=8)
+        outs = llm.generate(PROMPTS + [PROMPTS[0][::-1]], GREEDY, use_tqdm=False)
+        held = {layer: t.tolist() for layer, t in model.offload.resident.experts.items()}
+        torch.save(([o.token_ids for o in outs], held, model.offload.host.layers, model.offload.hit_rate(),
+                    sorted(model.checkpoint_reads)), out_dir / f"rank{parallel.rank}.pt")
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.slow
+def test_dp2_ep2_offloaded_equals_one_process_all_resident(ckpt, full, counts_file, tmp_path):
+    """Attention DP2 + EP2 (gloo): each rank holds 2 resident slots of its own 4 experts a layer and computes the
+    other 2 on its host, for the rows dispatched to it from both ranks; greedy tokens equal one all-resident
+    process's."""
+    from dist_helpers import run_ranks
+    run_ranks(rank_generate_offloaded, 2, ckpt, counts_file, tmp_path)
+    prompts = PROMPTS + [PROMPTS[0][::-1]]
+    want = [o.token_ids for o in LLM(full, AutoTokenizer.from_pretrained(ckpt), block_size=16).generate(
+        prompts, GREEDY, use_tqdm=False)]
+    counts = json.loads(counts_file.read_text())["counts"]
+    for rank in range(2):
+        tokens, held, host_layers, hit_rate, reads = torch.load(tmp_path / f"rank{rank}.pt")
+        assert tokens == want
+        assert 0 < hit_rate < 1 and host_layers == (0, 1, 2, 3, 4)
+        for layer in range(4):  # its shard's two most routed experts, numbered in the shard
+            shard = counts[str(layer)][4 * rank: 4 * rank + 4]
+            assert sorted(shard[e] for e in held[layer]) == sorted(shard)[-2:]
+        experts = {int(n.split(".")[4]) for n in reads if n.startswith("layers.") and ".ffn.experts." in n}
+        assert experts == set(range(4 * rank, 4 * rank + 4))  # its shard only
+
+
+def test_offload_refuses_bad_sizes_dynamic_over_ranks_and_quantized_experts(ckpt):
     args = ModelArgs.from_config(TINY_CONFIG)
-    with pytest.raises(ValueError, match="one process"):
-        DeepseekV4(args, Parallel(LLMParallelLayout(world_size=2)), offload_slots=2)
-    for n in (0, 9):
-        with pytest.raises(ValueError, match="resident experts per layer must be in 1..8"):
+    with pytest.raises(ValueError, match=r"must be in 0\.\.4 \(the model's routed experts over moe_ep 2"):
+        DeepseekV4(args, Parallel(LLMParallelLayout(world_size=2)), offload_slots=5)
+    with pytest.raises(ValueError, match="dynamic placement runs on one process"):
+        shard_placement(MoEOffloadConfig(2, placement="dynamic").make_placement(), 4, 4)
+    for n in (-1, 9):
+        with pytest.raises(ValueError, match="resident experts per layer must be in 0..8"):
             DeepseekV4(args, offload_slots=n)
     with pytest.raises(ValueError, match="frequency_file"):
         MoEOffloadConfig(2, placement="frequency")
@@ -193,12 +273,12 @@ def test_an_all_resident_load_that_cannot_fit_is_refused_with_the_arithmetic():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--offload-experts", "0"], "resident_experts must be an int >= 1"),
+    (["--offload-experts", "-1"], "resident_experts must be an int >= 0"),
     (["--placement", "dynamic"], "--placement needs --offload-experts N"),
     (["--offload-experts", "2", "--placement", "frequency"], "needs a frequency_file"),
     (["--offload-experts", "2", "--frequency-file", "/nonexistent.json", "--placement", "dynamic"], "no such file"),
-    (["--offload-experts", "2", "--exe-mode", "graph"], "MoE offload runs eager"),
-    (["--offload-experts", "2", "--config", "configs/tiny-cpu-dp2-ep2.yaml"], "one process"),
+    (["--offload-experts", "2", "--placement", "dynamic", "--config", "configs/tiny-cpu-dp2-ep2.yaml"],
+     "placement dynamic runs on one process"),
     (["--offload-experts", "2", "--host-backend", "gpu"], "invalid choice"),
 ])
 def test_bad_offload_flags_give_one_line_and_exit_2(argv, needle, capsys, monkeypatch):
@@ -207,6 +287,14 @@ def test_bad_offload_flags_give_one_line_and_exit_2(argv, needle, capsys, monkey
         generate.parse_args(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_record_routing_in_graph_mode_is_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.chdir(generate.HERE)
+    with pytest.raises(SystemExit) as e:
+        generate.parse_args(["--record-routing", "counts.json", "--exe-mode", "graph"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--record-routing counts on the host in eager steps" in err, err
 
 
 def test_generate_records_routing_then_runs_offloaded_from_it(ckpt, tmp_path, capsys):
