@@ -198,13 +198,12 @@ class LLMEngine:
         return expand_placeholders(ids, items, encoder.placeholder_token_id)
 
     def _check_images(self, ids: list[int], mm_inputs: list[MultiModalInput]) -> None:
-        """ValueError unless the images lie on placeholder ids (and every placeholder id is an image's) and each fits
-        the encoder's budget and cache."""
+        """ValueError unless the images lie on placeholder ids and each fits the encoder's budget and cache."""
         encoder = self.contract.encoder
-        if encoder is None:
-            if mm_inputs:
-                raise ValueError("this model takes no images (its checkpoint has no vision tower)")
+        if not mm_inputs:
             return
+        if encoder is None:
+            raise ValueError("this model takes no images (its checkpoint has no vision tower)")
         check_placements(ids, mm_inputs, encoder.placeholder_token_id)
         limit = min(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_size)
         for i, mm in enumerate(mm_inputs):

@@ -92,21 +92,15 @@ def expand_placeholders(token_ids: Sequence[int], items: Sequence[EncoderInput],
     return ids, placed
 
 
-def check_placements(token_ids: Sequence[int], inputs: Sequence[MultiModalInput], placeholder_token_id: int | None
-                     ) -> None:
-    """ValueError unless the inputs lie in order, apart, inside the prompt, each over placeholder ids only, and no
-    placeholder id lies outside them (a placeholder with no image, as a prompt of ids could carry)."""
+def check_placements(token_ids: Sequence[int], inputs: Sequence[MultiModalInput], placeholder_token_id: int) -> None:
+    """ValueError unless the inputs lie in order, apart, inside the prompt, each over placeholder ids only. (A
+    placeholder id outside them, as a prompt of ids may carry, is a text token like any other: it takes the token's
+    embedding, routes as text and hashes as text; chat formats refuse the placeholder in message text.)"""
     end = 0
     for i, mm in enumerate(inputs):
         if mm.length < 1 or mm.offset < end or mm.end > len(token_ids):
             raise ValueError(f"image {i} at prompt positions [{mm.offset}, {mm.end}) overlaps another or lies "
                              f"outside the {len(token_ids)}-token prompt")
-        if placeholder_token_id is not None and any(t != placeholder_token_id for t in token_ids[mm.offset: mm.end]):
+        if any(t != placeholder_token_id for t in token_ids[mm.offset: mm.end]):
             raise ValueError(f"image {i}'s prompt positions [{mm.offset}, {mm.end}) are not all image placeholders")
         end = mm.end
-    if placeholder_token_id is None:
-        return
-    covered = sum(mm.length for mm in inputs)
-    if sum(t == placeholder_token_id for t in token_ids) != covered:
-        raise ValueError(f"the prompt holds image placeholder tokens (id {placeholder_token_id}) that no image "
-                         "fills: send images as image inputs, not as placeholder text")

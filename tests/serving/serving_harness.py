@@ -85,6 +85,9 @@ class RaisesOnToken(nn.Module):
         super().__init__()
         self.model, self.token, self.args = model, token, model.args
 
+    def engine_contract(self):
+        return self.model.engine_contract()
+
     def forward(self, batch):
         if bool((batch.input_ids == self.token).any()):
             raise RuntimeError(f"the forward met token {self.token}")
