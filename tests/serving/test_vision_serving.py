@@ -4,12 +4,9 @@ the engine's offline one and usage counts the image tokens; limits and bad image
 through the PD router (P encodes, D never runs its encoder) == colocated; `run.sh --serve` and `run.sh --serve --pd
 1:1` answer the official openai client's vision example."""
 import base64
-import contextlib
 import http.server as http_server
 import io
 import json
-import signal
-import subprocess
 import threading
 
 import numpy as np
@@ -28,7 +25,7 @@ from common.serving.pd_prefill import PrefillConnector
 from common.serving.router import build_router
 from weights_deepseek_v4 import load_model
 
-from serving_harness import API_KEY, MODEL, free_port, http, running_server, serve_app, wait_until
+from serving_harness import API_KEY, MODEL, http, running_server, serve_app, wait_until
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_num_encoder_input_tokens=128, block_size=16)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -232,26 +229,6 @@ def test_pd_router_vision_example_equals_colocated(pd, server, image_server):
     assert wait_until(lambda: pools_full(pd["p"], pd["d"]))
 
 
-@contextlib.contextmanager
-def run_sh_serve(checkpoint):
-    """`bash run.sh --serve` as a user starts it: yields an openai client; SIGTERM at the end, exit 0."""
-    from test_serve_subprocess import RUN_SH, wait_healthy
-    port = free_port()
-    proc = subprocess.Popen(["bash", str(RUN_SH), "--serve", "--port", str(port), "--weights", str(checkpoint),
-                             "--dtype", "fp32", "--served-model-name", "tiny"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url, 180)
-        yield OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["serve", "pd-router"])
 def test_run_sh_serve_answers_the_openai_vision_example(checkpoint, image_server, model_and_tokenizer, mode):
@@ -265,8 +242,7 @@ def test_run_sh_serve_answers_the_openai_vision_example(checkpoint, image_server
     want = LLM(model, tokenizer, block_size=16).generate(
         [{"prompt": prompt.text, "multi_modal_data": {"image": [IMAGES["/cat.png"]]}}],
         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-    with (run_sh_serve(checkpoint) if mode == "serve" else several_instances(checkpoint, "--pd", "1:1")) as served:
-        client = served if mode == "serve" else served[1]
+    with several_instances(checkpoint, *(() if mode == "serve" else ("--pd", "1:1"))) as (_, client):
         got = vision_example(client, "tiny", image_server + "/cat.png")
     assert got.choices[0].message.content == want.text
     assert got.usage.prompt_tokens == len(want.prompt_token_ids)
