@@ -29,8 +29,9 @@ from modeling_deepseek_vision import VisionArgs, random_vision_tensors
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIAL_TOKENS = {"bos": BOS, "eos": EOS,  # ids 0, 1, ... in this order (config bos/eos ids)
                   "user": "<｜User｜>", "assistant": "<｜Assistant｜>",
-                  "think": "<think>", "end_think": "</think>", "image": IMAGE_TOKEN}
-IMAGE_TOKEN_ID = list(SPECIAL_TOKENS).index("image")
+                  "think": "<think>", "end_think": "</think>"}
+# the image placeholder takes the vocabulary's last id (config `image_token_id`), so every other token keeps the id
+# it had before the writer wrote vision checkpoints
 # The publisher ships no chat template: prompts come from encoding_deepseek_v4 (its Python encoding rules).
 CHAT_TEMPLATE = ""
 FORMAT_CORPUS_REPEATS = 4  # the format's fixed text weighed like a real vocabulary's frequent strings
@@ -155,7 +156,8 @@ def write_tiny_checkpoint(path, seed: int = 0, quantized: bool | str = True, max
     overrides: config.json fields (`vision_config` a dict merged into the tiny one's)."""
     path = Path(path)
     vision_config = {**TINY_VISION_CONFIG, **overrides.pop("vision_config", {})}
-    config = {**TINY_CONFIG, **({"vision_config": vision_config, "image_token_id": IMAGE_TOKEN_ID} if vision else {}),
+    vocab_size = overrides.get("vocab_size", TINY_CONFIG["vocab_size"])
+    config = {**TINY_CONFIG, **({"vision_config": vision_config, "image_token_id": vocab_size - 1} if vision else {}),
               **overrides}
     args = ModelArgs.from_config(config)
     state = random_state(args, seed)
@@ -163,7 +165,7 @@ def write_tiny_checkpoint(path, seed: int = 0, quantized: bool | str = True, max
         state = quantize(state, fp8_mxfp4=quantized is True)
     save_checkpoint(path, state, config, max_shard_bytes=max_shard_bytes)
     write_tokenizer(path, vocab_size=args.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE,
-                    extra_corpus=format_corpus())
+                    extra_corpus=format_corpus(), last_special_tokens=(IMAGE_TOKEN,))
     (path / REVISION_FILE).write_text(f"{TINY_REVISION}\n")
     return path
 
