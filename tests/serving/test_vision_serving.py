@@ -86,6 +86,13 @@ def server(model_and_tokenizer):
         yield served
 
 
+@pytest.fixture(scope="module")
+def offline_model(checkpoint, model_and_tokenizer):
+    """A model of its own for the offline engine: an engine allocates its model's caches, and the servers' engines
+    must keep theirs."""
+    return load_model(checkpoint, torch.float32), model_and_tokenizer[1]
+
+
 def openai_client(url) -> OpenAI:
     return OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
@@ -120,22 +127,22 @@ def pools_full(*engines) -> bool:
                and len(e.scheduler.encoder_cache) == 0 for e in engines)
 
 
-def test_openai_vision_example_equals_offline(server, image_server, model_and_tokenizer):
+def test_openai_vision_example_equals_offline(server, image_server, offline_model):
     url, engine = server
     client = openai_client(url)
     by_http = vision_example(client, MODEL, image_server + "/cat.png")
     by_data = vision_example(client, MODEL, data_url(IMAGES["/cat.png"]))
-    want = offline(model_and_tokenizer, [{"type": "text", "text": "What's in this image?"},
+    want = offline(offline_model, [{"type": "text", "text": "What's in this image?"},
                                          {"type": "image_url", "image_url": {"url": image_server + "/cat.png"}}])
     assert by_http.choices[0].message.content == by_data.choices[0].message.content == want.text
     assert by_http.usage.prompt_tokens == len(want.prompt_token_ids)  # the image's tokens counted
-    model = model_and_tokenizer[0]
+    model = offline_model[0]
     span = model.engine_contract().encoder.process(IMAGES["/cat.png"]).num_tokens  # 200x140: 10 x 15 patches
     assert span == 4 * (5 + 1) + 2 and want.prompt_token_ids.count(model.args.image_token_id) == span
     assert wait_until(lambda: pools_full(engine))
 
 
-def test_several_images_a_message_streamed_equals_whole(server, image_server, model_and_tokenizer):
+def test_several_images_a_message_streamed_equals_whole(server, image_server, offline_model):
     url, engine = server
     content = [{"type": "image_url", "image_url": {"url": image_server + "/dog.png"}},
                {"type": "text", "text": "and"},
@@ -147,7 +154,7 @@ def test_several_images_a_message_streamed_equals_whole(server, image_server, mo
     streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0, stream=True)
         if ch.choices)
-    want = offline(model_and_tokenizer, content)
+    want = offline(offline_model, content)
     assert whole.choices[0].message.content == streamed == want.text
     assert whole.usage.prompt_tokens == len(want.prompt_token_ids)
     assert engine.stats.encoder_images >= 2
@@ -231,13 +238,13 @@ def test_pd_router_vision_example_equals_colocated(pd, server, image_server):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["serve", "pd-router"])
-def test_run_sh_serve_answers_the_openai_vision_example(checkpoint, image_server, model_and_tokenizer, mode):
+def test_run_sh_serve_answers_the_openai_vision_example(checkpoint, image_server, offline_model, mode):
     """The official openai client's vision example against `run.sh --serve` and `run.sh --serve --pd 1:1` (P, D and
     the router, processes of their own): the offline engine's answer, with its default preset."""
     from test_serve_subprocess import several_instances
     content = [{"type": "text", "text": "What's in this image?"},
                {"type": "image_url", "image_url": {"url": image_server + "/cat.png"}}]
-    model, tokenizer = model_and_tokenizer
+    model, tokenizer = offline_model
     prompt = DeepseekV4ChatFormat().encode(Conversation([{"role": "user", "content": content}]))
     want = LLM(model, tokenizer, block_size=16).generate(
         [{"prompt": prompt.text, "multi_modal_data": {"image": [IMAGES["/cat.png"]]}}],
