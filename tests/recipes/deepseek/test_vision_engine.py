@@ -173,3 +173,27 @@ def test_image_requests_over_ranks_equal_one_process(setup, tmp_path, world, lay
         for (tokens, logprobs), want in zip(torch.load(tmp_path / f"r{rank}.pt"), reference):
             assert tokens == want.token_ids
             assert max(abs(a - b.logprob) for a, b in zip(logprobs, want.logprobs)) < 1e-4
+
+
+def test_run_sh_image_prompt(tmp_path):
+    """`run.sh --image FILE --prompt TEXT` as a user runs it (the default tiny checkpoint, no download); a missing
+    image or one that is not an image: one line, exit code 2."""
+    import subprocess
+    from pathlib import Path
+    run_sh = Path(__file__).resolve().parents[3] / "recipes" / "deepseek" / "run.sh"
+    (tmp_path / "a.png").write_bytes(A)
+    (tmp_path / "b.png").write_bytes(B)
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+
+    def run(*args):
+        return subprocess.run(["bash", str(run_sh), *map(str, args)], capture_output=True, text=True, timeout=600)
+
+    r = run("--image", tmp_path / "a.png", "--image", tmp_path / "b.png", "--prompt", "Compare them.",
+            "--max-tokens", 3)
+    assert r.returncode == 0, r.stderr
+    assert "> Compare them." in r.stdout and "[3 tokens, length]" in r.stdout
+    stats = dict(kv.split("=") for kv in r.stdout.strip().splitlines()[-1].split())
+    assert int(stats["prompt_tokens"]) > 47 + 20  # both images' tokens
+    for args, needle in (((tmp_path / "none.png",), "no such file"), ((tmp_path / "bad.png",), "cannot decode image")):
+        r = run("--image", *args, "--prompt", "x")
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
