@@ -22,11 +22,18 @@ class EngineConfig:
     num_speculative_tokens: int = 0  # MTP drafts per decode step (the model's `mtp` blocks); 0: off
     exe_mode: str = "eager"  # "graph": decode steps run as a graph captured per batch size (graph_runner.py)
     graph_capture_sizes: tuple[int, ...] | None = None  # decode batch buckets; None: 1, 2, 4, .. and max_num_seqs
+    # the encoder stage (images): rows a step may encode, and rows the encoder cache holds (vLLM's names; None: both
+    # max_num_batched_tokens). An image must fit both: a longer one is refused when it is submitted.
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            if getattr(self, name) is not None and (not _is_int(getattr(self, name)) or getattr(self, name) < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {getattr(self, name)!r}")
         if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks < 2):
             raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {self.num_blocks!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
@@ -60,8 +67,10 @@ class EngineConfig:
         if self.exe_mode == "graph" and sizes is None:
             sizes = tuple(n for n in (1 << i for i in range(self.max_num_seqs.bit_length())) if n < self.max_num_seqs)
             sizes += (self.max_num_seqs,)
+        encoder_tokens = self.max_num_encoder_input_tokens or self.max_num_batched_tokens
         return dataclasses.replace(self, max_model_len=min(self.max_model_len or model_max_len, model_max_len),
-                                   graph_capture_sizes=sizes)
+                                   graph_capture_sizes=sizes, max_num_encoder_input_tokens=encoder_tokens,
+                                   encoder_cache_size=self.encoder_cache_size or encoder_tokens)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> tuple["EngineConfig", dict]:

@@ -10,6 +10,9 @@ bucket), no shape that depends on the requests. Padding sequences have as many t
 (a graph step's are uniform: 1, or 1 + the MTP drafts verified; ids 0, positions from 0) and an empty block table,
 so their every slot is a row of the null block 0: they write nowhere a real sequence reads, and real rows never
 see them.
+
+Multimodal rows (ModelContract.encoder): `mm_embeds` [M, D] are written over the token embeddings of rows `mm_rows`
+[M] before the first layer; a text-only batch has neither.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ class ForwardBatch:
     max_seqlen_k: int = 0  # host: the longest kv length (a padded decode batch: the bound it was built for)
     uniform_across_ranks: bool = False  # host: every rank forwards this batch's shape this step (graph mode pads
     #   all data-parallel ranks to one bucket), so collectives exchange no sizes and the expert dispatch no splits
+    mm_rows: torch.Tensor | None = None  # [M] int64: rows whose token embedding the model replaces by mm_embeds
+    mm_embeds: torch.Tensor | None = None  # [M, D]: the encoder's embeddings of those rows (images); None: text only
 
     @property
     def num_seqs(self) -> int:

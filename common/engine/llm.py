@@ -25,12 +25,13 @@ class LLM:
             raise TypeError("pass either an EngineConfig or engine keyword arguments, not both")
         self.engine = LLMEngine(model, tokenizer, config)
 
-    def generate(self, prompts: list[str] | list[list[int]],
+    def generate(self, prompts: list[str] | list[list[int]] | list[dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
                  add_special_tokens: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in prompt order. Text prompts get the tokenizer's
-        special tokens (its BOS) unless add_special_tokens is False (vLLM: tokenization_kwargs=
-        {"add_special_tokens": False}), for text that already carries them, such as a rendered chat prompt."""
+        """Generate for every prompt (text, token ids, or a multimodal prompt dict: LLMEngine.make_request); outputs
+        in prompt order. Text prompts get the tokenizer's special tokens (its BOS) unless add_special_tokens is False
+        (vLLM: tokenization_kwargs={"add_special_tokens": False}), for text that already carries them, such as a
+        rendered chat prompt."""
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):

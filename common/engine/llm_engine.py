@@ -28,6 +28,7 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from common.kv_cache import KVCacheManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .model_runner import ModelRunner, blocks_that_fit
+from .multimodal import MultiModalInput, check_placements, expand_placeholders, multimodal_prompt
 from .request import Request, RequestStatus
 from .sampler import Sampler, TokenLogprobs, make_generator, token_logprobs
 from .sampling_params import SamplingParams
@@ -77,6 +79,9 @@ class EngineStats:
     num_accepted_tokens: int = 0  # of them, accepted
     num_verify_steps: int = 0  # request-steps that verified drafts
     propose_time: float = 0.0  # seconds in the MTP proposer (part of the step times above)
+    encoder_calls: int = 0  # encoder-stage calls (one per step that had images to encode)
+    encoder_images: int = 0  # images encoded
+    encoder_time: float = 0.0  # seconds in the encoder stage (part of the prefill time)
 
     @property
     def acceptance_rate(self) -> float:
@@ -138,9 +143,10 @@ class LLMEngine:
         """The unfinished requests by id (the scheduler's; read-only use)."""
         return self.scheduler.requests
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                     add_special_tokens: bool = True) -> str:
-        """Queue a prompt (text, see `tokenize`, or token ids). ValueError when it can never run."""
+        """Queue a prompt (text, see `tokenize`; token ids; or a multimodal prompt: see make_request). ValueError
+        when it can never run."""
         req = self.make_request(prompt, params, request_id, add_special_tokens)
         self.add(req)
         return req.request_id
@@ -152,9 +158,19 @@ class LLMEngine:
         return (self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids if isinstance(prompt, str)
                 else list(prompt))
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                     add_special_tokens: bool = True) -> Request:
-        """Tokenize (`tokenize`) and check a prompt without touching engine state (safe from another thread)."""
+    def make_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
+                     add_special_tokens: bool = True, mm_inputs: Sequence[MultiModalInput] = ()) -> Request:
+        """Tokenize (`tokenize`) and check a prompt without touching engine state (safe from another thread).
+
+        A multimodal prompt is vLLM's dict: {"prompt": text or "prompt_token_ids": ids, "multi_modal_data":
+        {"image": an image or a list of them}} (encoded bytes, PIL images or paths), the prompt holding one image
+        placeholder per image; each image goes through the model's encoder stage (`place_images`). mm_inputs: the
+        images of a prompt of ids already expanded (placed where they lie)."""
+        if isinstance(prompt, dict):
+            if mm_inputs:
+                raise ValueError("a multimodal prompt dict carries its images itself: pass no mm_inputs with it")
+            text, images = multimodal_prompt(prompt)
+            prompt, mm_inputs = self.place_images(self.tokenize(text, add_special_tokens), images)
         ids = self.tokenize(prompt, add_special_tokens)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -163,12 +179,48 @@ class LLMEngine:
                              f"{self.config.max_model_len - 1} (max_model_len {self.config.max_model_len})")
         if not all(isinstance(t, int) and 0 <= t < self.contract.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be ints in [0, {self.contract.vocab_size})")
+        self._check_images(ids, list(mm_inputs))
         if params.structured_outputs is not None:
             if self.structured_output is None:
                 raise ValueError("structured_outputs needs the engine's tokenizer")
             self.structured_output.compile(params.structured_outputs)  # ValueError for what it refuses
         request_id = request_id if request_id is not None else str(next(self._ids))
-        return Request(request_id, ids, params, prompt if isinstance(prompt, str) else None)
+        return Request(request_id, ids, params, prompt if isinstance(prompt, str) else None,
+                       mm_inputs=list(mm_inputs))
+
+    def place_images(self, prompt: str | list[int], images: Sequence) -> tuple[list[int], list[MultiModalInput]]:
+        """A prompt with one image placeholder per image -> its ids with each placeholder expanded to the image's
+        span, and the images placed there (the model's encoder stage processes each: ValueError naming what is wrong
+        with one, or when the model takes no images)."""
+        encoder = self.contract.encoder
+        if encoder is None:
+            raise ValueError("this model takes no images (its checkpoint has no vision tower)")
+        ids = self.tokenize(prompt, add_special_tokens=False)
+        items = []
+        for i, image in enumerate(images):
+            try:
+                item = encoder.process(image)
+            except ValueError as e:
+                raise ValueError(f"image {i}: {e}") from None
+            items.append(dataclasses.replace(item, source=bytes(image)) if isinstance(image, (bytes, bytearray))
+                         else item)
+        return expand_placeholders(ids, items, encoder.placeholder_token_id)
+
+    def _check_images(self, ids: list[int], mm_inputs: list[MultiModalInput]) -> None:
+        """ValueError unless the images lie on placeholder ids and each fits the encoder's budget and cache."""
+        encoder = self.contract.encoder
+        if not mm_inputs:
+            return
+        if encoder is None:
+            raise ValueError("this model takes no images (its checkpoint has no vision tower)")
+        check_placements(ids, mm_inputs, encoder.placeholder_token_id)
+        limit = min(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_size)
+        for i, mm in enumerate(mm_inputs):
+            if mm.length > limit:
+                raise ValueError(f"image {i} takes {mm.length} tokens, more than the encoder takes at once ({limit}: "
+                                 "raise max_num_encoder_input_tokens and encoder_cache_size)")
+            if mm.data is None:
+                raise ValueError(f"image {i} has no data to encode")
 
     def add(self, req: Request) -> None:
         """Queue a request made by make_request. ValueError for an id in use."""
@@ -340,7 +392,15 @@ class LLMEngine:
         """Run the model for a step: (per scheduled request its new prompt log-probs or None, the runner's output,
         the block tables it ran with)."""
         tables = [self.kv_cache.block_table(s.request.request_id) for s in plan.scheduled]
-        result = self.runner.execute(plan.scheduled, tables)
+        encoder_cache = self.scheduler.encoder_cache
+        if plan.encoder_inputs:  # the encoder stage: the step's new images, before the prefill that reads them
+            t0 = time.perf_counter()
+            for mm, output in zip(plan.encoder_inputs, self.runner.execute_encoder(plan.encoder_inputs)):
+                encoder_cache.put(mm.identifier, output)
+            self.stats.encoder_time += time.perf_counter() - t0
+            self.stats.encoder_calls += 1
+            self.stats.encoder_images += len(plan.encoder_inputs)
+        result = self.runner.execute(plan.scheduled, tables, encoder_cache)
         prompt_logprobs = []
         for s, logits in zip(plan.scheduled, result.prompt_logits):
             if logits is None:

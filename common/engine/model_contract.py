@@ -3,16 +3,19 @@
 Every model the engine runs is a `CausalLM`: it owns its paged caches (the groups it declares, tensors allocated
 at the block counts the engine picks) and turns a packed ForwardBatch into hidden states and logits. Everything
 else the engine may use, the model states in `engine_contract()` -> `ModelContract`: its limits, its rank groups,
-its MTP layers (`MTPDraftModel`, what speculative decoding drives) and a hook at the end of a prompt's prefill.
-A capability the model lacks is None there, and the engine refuses the feature that needs it by name.
+its MTP layers (`MTPDraftModel`, what speculative decoding drives), its encoder stage (`EncoderModel`, what image
+inputs go through) and a hook at the end of a prompt's prefill. A capability the model lacks is None there, and the
+engine refuses the feature that needs it by name.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from .multimodal import EncoderInput
 
 if TYPE_CHECKING:
     from common.kv_cache import CacheGroupSpec
@@ -66,6 +69,28 @@ class MTPDraftModel(Protocol):
         """MTP layer `layer`'s streams [B, n, D] -> logits [B, V]."""
 
 
+class EncoderModel(Protocol):
+    """The model's encoder stage (a vision tower): a request's items (images) in, the embeddings of their placeholder
+    spans out (common/engine/multimodal.py, common/engine/encoder_cache.py).
+
+    What a request's multimodal inputs are: `process` turns each item the user sent into an EncoderInput (its data,
+    its span's length, its content hash); the prompt holds one `placeholder_token_id` per item, expanded to a span of
+    that many placeholder ids (multimodal.expand_placeholders). The engine's encoder stage calls `encode` once a step
+    with every item that step's prefill chunks need, across requests. How the embeddings reach the forward: the
+    ForwardBatch carries `mm_embeds` [M, D] and `mm_rows` [M] (rows of the packed batch), and the model writes those
+    embeddings over its token embeddings at those rows; a batch without them is a text-only forward, unchanged."""
+
+    placeholder_token_id: int
+    modality: str  # what an item is ("image"): the name a request's inputs go by
+
+    def process(self, item: Any) -> EncoderInput:
+        """One item as the user sent it (encoded bytes, a PIL image, a path) -> EncoderInput; ValueError naming what
+        is wrong with it (not decodable, too large, an unsupported mode, ...)."""
+
+    def encode(self, data: list[Any]) -> list[torch.Tensor]:
+        """The EncoderInput.data of several items -> per item its span's embeddings [num_tokens, D], in one call."""
+
+
 @dataclass(frozen=True)
 class ModelContract:
     max_position_embeddings: int
@@ -73,6 +98,7 @@ class ModelContract:
     eos_token_ids: tuple[int, ...]
     parallel: Parallel | None = None  # the model's rank groups (attn_dp, attn_tp, ...); None: one process
     mtp: MTPDraftModel | None = None  # None: no MTP layers loaded (speculative decoding refused)
+    encoder: EncoderModel | None = None  # None: text only (multimodal inputs refused)
     finish_prefill: Callable[[list[int]], None] | None = None  # after a step's forward: the rows of its batch whose
     #   prompt prefill ended in it (MoE offload's dynamic expert placement)
 

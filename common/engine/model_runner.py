@@ -8,9 +8,11 @@ import torch
 from common import backend, cpu_gemm
 
 from .config import EngineConfig
+from .encoder_cache import EncoderCache, gather_embeddings
 from .forward_batch import ForwardBatch
 from .graph_runner import GraphRunner
 from .model_contract import CausalLM, ModelContract
+from .multimodal import MultiModalInput
 from .scheduler import ScheduledRequest
 
 
@@ -95,26 +97,42 @@ class ModelRunner:
         self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], block_tables: list[dict[str, list[int]]]) -> ModelRunnerOutput:
-        """Forward the scheduled tokens; logits for the rows that sample and for the prompt positions scored."""
+    def execute_encoder(self, inputs: list[MultiModalInput]) -> list[torch.Tensor]:
+        """The encoder stage: a step's new images, across requests, in one call of the model's encoder -> per image
+        its span's embeddings [length, D]."""
+        if not inputs:
+            return []
+        outputs = self.contract.encoder.encode([mm.data for mm in inputs])
+        for mm, out in zip(inputs, outputs):
+            if out.shape[0] != mm.length:
+                raise ValueError(f"the encoder gave {out.shape[0]} rows for an image of {mm.length} tokens")
+        return outputs
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest], block_tables: list[dict[str, list[int]]],
+                encoder_cache: EncoderCache | None = None) -> ModelRunnerOutput:
+        """Forward the scheduled tokens; logits for the rows that sample and for the prompt positions scored. Chunks
+        that reach images take their embeddings from encoder_cache."""
         self.check_caches()
         new_tokens = [s.request.all_token_ids[s.start : s.end - len(s.draft_token_ids)] + s.draft_token_ids
                       for s in scheduled]
-        output = self._execute(scheduled, new_tokens, block_tables)
+        output = self._execute(scheduled, new_tokens, block_tables, encoder_cache)
         prefilled = [b for b, s in enumerate(scheduled) if s.sample and s.start < s.request.num_prompt_tokens]
         if prefilled and self.contract.finish_prefill is not None:
             self.contract.finish_prefill(prefilled)
         return output
 
     def _execute(self, scheduled: list[ScheduledRequest], new_tokens: list[list[int]],
-                 block_tables: list[dict[str, list[int]]]) -> ModelRunnerOutput:
+                 block_tables: list[dict[str, list[int]]], encoder_cache: EncoderCache | None) -> ModelRunnerOutput:
+        mm_rows, mm_embeds = self._multimodal_rows(scheduled, new_tokens, encoder_cache)
         if self.graphs is not None:
             fits = self.graphs.fits([s.num_new_tokens for s in scheduled]) and not any(
-                s.prompt_logprob_positions for s in scheduled)
+                s.prompt_logprob_positions for s in scheduled) and mm_rows is None
             if (bucket := self.graphs.step_bucket(len(scheduled), fits)) is not None:
                 return self._execute_graph(scheduled, new_tokens, block_tables, bucket)
         batch = ForwardBatch.build(new_tokens, [s.start for s in scheduled], block_tables, self.config.block_size,
                                    self.device)
+        batch.mm_rows, batch.mm_embeds = mm_rows, mm_embeds
         streams = None
         if self.keep_streams:  # the model's two halves, the residual streams kept for the MTP drafts
             streams = self.contract.mtp.residual_streams(batch)  # [T, n, D]
@@ -134,6 +152,21 @@ class ModelRunner:
         parts = logits[num_sampled:].split(counts)
         return ModelRunnerOutput(logits[:num_sampled], [p if n else None for p, n in zip(parts, counts)], streams,
                                  [end - s.num_new_tokens for s, end in zip(scheduled, ends)])
+
+    def _multimodal_rows(self, scheduled: list[ScheduledRequest], new_tokens: list[list[int]],
+                         encoder_cache: EncoderCache | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(rows [M], embeddings [M, D]) of the step's image positions, or (None, None) for a text-only step."""
+        chunks, row = [], 0
+        for s, tokens in zip(scheduled, new_tokens):
+            if s.request.mm_inputs:
+                chunks.append((s.request.mm_inputs, s.start, s.start + len(tokens), row))
+            row += len(tokens)
+        if not chunks:
+            return None, None
+        rows, pieces = gather_embeddings(encoder_cache, chunks)
+        if not rows:
+            return None, None
+        return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(pieces).to(self.device)
 
     def _execute_graph(self, scheduled: list[ScheduledRequest], new_tokens: list[list[int]],
                        block_tables: list[dict[str, list[int]]], bucket: int) -> ModelRunnerOutput:

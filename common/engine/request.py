@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .multimodal import MultiModalInput
 from .sampler import TokenLogprobs, make_generator
 from .sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class Request:
     grammar: object | None = field(default=None, repr=False)  # structured output: the engine's GrammarState
     # PD disaggregation: what the KV connector needs (where from / to, which blocks), with vLLM's flags (below)
     kv_transfer_params: dict | None = field(default=None, repr=False)
+    mm_inputs: list[MultiModalInput] = field(default_factory=list, repr=False)  # images placed in the prompt, in order
 
     def __post_init__(self):
         self.generator = make_generator(self.sampling_params.seed)

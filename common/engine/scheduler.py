@@ -8,6 +8,13 @@ running request is preempted by recompute: its blocks are freed and it goes back
 The scheduler is the one owner of request and KV state: it holds every unfinished request by id, and it alone
 allocates, registers (prefix cache) and frees KV blocks. The engine asks it to add, finish and advance requests.
 
+The encoder stage (images, common/engine/encoder_cache.py): a chunk that reaches an image holds its encoder output
+in the encoder cache; an image nobody holds yet is encoded in this step (`SchedulerOutput.encoder_inputs`), under a
+per-step budget of encoder rows (max_num_encoder_input_tokens) and the cache's capacity. A chunk that would need an
+image beyond either stops before it (the rest comes in a later step). A chunk may split an image: the image's output
+stays held until the request's computed tokens passed it, then it is released (and with every finish, abort and
+preemption).
+
 PD disaggregation: on a decode instance a waiting request with do_remote_prefill is admitted by allocating its
 prompt's blocks (FIFO, as any admission: one D cannot hold waits, it is not dropped) and then waits, outside the
 batch, in `receiving` until the KV connector reports its KV written (`remote_prefill_done`) or failed (`finish`).
@@ -22,6 +29,8 @@ from dataclasses import dataclass, field
 from common.kv_cache import KVCacheManager
 
 from .config import EngineConfig
+from .encoder_cache import EncoderCache
+from .multimodal import MultiModalInput
 from .request import Request, RequestStatus
 
 
@@ -52,6 +61,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     remote_prefills: list[Request] = field(default_factory=list)  # admitted this step into `receiving`
+    encoder_inputs: list[MultiModalInput] = field(default_factory=list)  # images to encode first (each once)
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +88,7 @@ def drafts_to_verify(req: Request, budget: int, max_model_len: int) -> list[int]
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager):
         self.config, self.kv_cache = config, kv_cache
+        self.encoder_cache = EncoderCache(config.encoder_cache_size or config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -96,10 +107,15 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.config.max_num_batched_tokens
+        encoder_budget = self.config.max_num_encoder_input_tokens or budget
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._encodable(req, req.num_computed_tokens, num_new, encoder_budget)
+            if num_new == 0:  # its chunk starts at an image the encoder cannot take this step
+                i += 1
+                continue
             decode = req.num_computed_tokens == req.num_tokens - 1
             drafts = drafts_to_verify(req, budget, self.config.max_model_len) if decode else []
             slots = self._slots(req, req.num_computed_tokens, num_new, drafts)
@@ -111,11 +127,12 @@ class Scheduler:
             else:
                 out.scheduled.append(schedule_entry(req, num_new, drafts))
                 budget -= num_new + len(drafts)
+                encoder_budget -= self._hold_images(req, req.num_computed_tokens, num_new, out)
                 i += 1
         while self.waiting and budget > 0 and len(self.running) + len(self.receiving) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.do_remote_prefill:  # blocks for the prompt, written by the prefill instance
-                if not self.kv_cache.allocate_external(req.request_id, req.num_prompt_tokens):
+                if not self.kv_cache.allocate_external(req.request_id, req.num_prompt_tokens, req.mm_inputs):
                     break
                 self.waiting.popleft()
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -124,12 +141,13 @@ class Scheduler:
                 continue
             # prompt log-probs need the logits of every prompt position: such a request reads no cached prefix
             reads_cache = req.sampling_params.prompt_logprobs is None
-            cached = self.kv_cache.get_computed_tokens(req.request_id, req.all_token_ids) if reads_cache else 0
-            num_new = min(req.num_tokens - cached, budget)
-            if num_new < req.num_tokens - cached and not self.config.enable_chunked_prefill:
+            cached = (self.kv_cache.get_computed_tokens(req.request_id, req.all_token_ids, req.mm_inputs)
+                      if reads_cache else 0)
+            num_new = self._encodable(req, cached, min(req.num_tokens - cached, budget), encoder_budget)
+            if num_new == 0 or (num_new < req.num_tokens - cached and not self.config.enable_chunked_prefill):
                 break
             if not self.kv_cache.allocate(req.request_id, req.all_token_ids, cached, self._slots(req, cached, num_new),
-                                          cached):
+                                          cached, req.mm_inputs):
                 break
             self.waiting.popleft()
             if req.num_preemptions == 0:
@@ -138,7 +156,36 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(schedule_entry(req, num_new))
             budget -= num_new
+            encoder_budget -= self._hold_images(req, cached, num_new, out)
         return out
+
+    def _encodable(self, req: Request, start: int, num_new: int, encoder_budget: int) -> int:
+        """num_new, or fewer: the chunk [start, start + num_new) stops before the first image it reaches that is not
+        in the encoder cache and would not fit this step's encoder budget or the cache (0: it starts inside one)."""
+        end, cost, new = start + num_new, 0, set()
+        for mm in req.mm_inputs:
+            if mm.offset >= end:
+                break
+            if mm.end <= start or mm.identifier in self.encoder_cache or mm.identifier in new:
+                continue
+            if cost + mm.length > encoder_budget or not self.encoder_cache.can_reserve(cost + mm.length):
+                return max(mm.offset - start, 0)
+            cost += mm.length
+            new.add(mm.identifier)
+        return num_new
+
+    def _hold_images(self, req: Request, start: int, num_new: int, out: SchedulerOutput) -> int:
+        """The scheduled chunk [start, start + num_new) holds the encoder outputs of the images it reaches; those no
+        request held go to the step's encoder_inputs. Returns their encoder rows."""
+        cost = 0
+        for mm in req.mm_inputs:
+            if mm.offset >= start + num_new:
+                break
+            if mm.end > start and not self.encoder_cache.holds(req.request_id, mm.identifier) \
+                    and self.encoder_cache.hold(req.request_id, mm):
+                out.encoder_inputs.append(mm)
+                cost += mm.length
+        return cost
 
     def _slots(self, req: Request, start: int, num_new: int, drafts: list[int] = ()) -> int:
         """Cache positions a step of `num_new` tokens (+ drafts) from `start` on needs. A step that
@@ -153,11 +200,15 @@ class Scheduler:
         for s in output.scheduled:
             req = s.request
             req.num_computed_tokens = s.num_computed_after
+            for mm in req.mm_inputs:  # images the prefill has consumed: their encoder outputs go
+                if mm.end <= req.num_computed_tokens:
+                    self.encoder_cache.release(req.request_id, mm.identifier)
             if not req.finished:
                 self.kv_cache.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache.free(req.request_id)
+        self.encoder_cache.release_request(req.request_id)
         req.num_computed_tokens, req.status, req.spec_token_ids = 0, RequestStatus.WAITING, []
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -181,6 +232,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.receiving.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
+        self.encoder_cache.release_request(req.request_id)
         if req.do_remote_decode and reason in ("stop", "length"):
             self.sending[req.request_id] = req
         else:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .block_hash import hash_blocks
+from collections.abc import Sequence
+
+from .block_hash import MultiModalSpan, hash_blocks
 from .block_pool import NULL_BLOCK, BlockPool
 from .spec import CacheGroupSpec
 
@@ -22,6 +24,7 @@ class _Request:
     tables: dict[str, list[int]]
     hashes: list[int] = field(default_factory=list)  # of the request's computed full blocks
     num_cached_blocks: int = 0  # leading blocks whose hashes are registered in the pools
+    mm_spans: Sequence[MultiModalSpan] = ()  # the prompt's multimodal items (their content is part of the hashes)
 
 
 class KVCacheManager:
@@ -60,13 +63,15 @@ class KVCacheManager:
         """Group name -> block ids by block index (null block 0 where a window left them); the lists are live."""
         return dict(self._requests[request_id].tables)
 
-    def get_computed_tokens(self, request_id: str, token_ids: list[int]) -> int:
+    def get_computed_tokens(self, request_id: str, token_ids: list[int], mm_spans: Sequence[MultiModalSpan] = ()
+                            ) -> int:
         """For a new request: how many leading tokens (whole blocks, fewer than all) the cache already holds in every
-        group. A full group needs all blocks before that point; a window group only those its next query reads."""
+        group. A full group needs all blocks before that point; a window group only those its next query reads.
+        mm_spans: the prompt's multimodal items (a block holding part of one hits only under the same content)."""
         assert request_id not in self._requests, f"{request_id} already holds blocks"
         if not self.enable_prefix_caching or not token_ids:
             return 0
-        hashes = hash_blocks(token_ids, self.block_size, num_tokens=len(token_ids) - 1)
+        hashes = hash_blocks(token_ids, self.block_size, num_tokens=len(token_ids) - 1, mm_spans=mm_spans)
         cached = {g: [p.lookup(h) is not None for h in hashes] for g, p in self.pools.items()}
         n = len(hashes)
         while (m := min(self._longest_hit(spec, cached[g], n) for g, spec in self.specs.items())) < n:
@@ -81,11 +86,12 @@ class KVCacheManager:
         return next(k for k in range(n, -1, -1) if last_miss[k] < spec.first_needed_block(k * self.block_size))
 
     def allocate(self, request_id: str, token_ids: list[int], num_computed_tokens: int, num_new_tokens: int,
-                 num_cached_tokens: int = 0) -> bool:
+                 num_cached_tokens: int = 0, mm_spans: Sequence[MultiModalSpan] = ()) -> bool:
         """Make room for positions [num_computed_tokens, num_computed_tokens + num_new_tokens). On a request's first
-        call, num_cached_tokens = get_computed_tokens(...) = num_computed_tokens takes those hit blocks; later calls
-        ignore it. Blocks no window query will read again are freed. All or nothing: False, and no pool changed,
-        when some group lacks blocks (the scheduler then waits or preempts)."""
+        call, num_cached_tokens = get_computed_tokens(...) = num_computed_tokens takes those hit blocks, and mm_spans
+        (the prompt's multimodal items, kept for every later hash) is given; later calls ignore both. Blocks no
+        window query will read again are freed. All or nothing: False, and no pool changed, when some group lacks
+        blocks (the scheduler then waits or preempts)."""
         req = self._requests.get(request_id)
         new = req is None
         if new:
@@ -94,7 +100,7 @@ class KVCacheManager:
                 f"not {num_computed_tokens}"
             assert num_cached_tokens % self.block_size == 0 and (self.enable_prefix_caching or not num_cached_tokens), \
                 f"{request_id}: num_cached_tokens {num_cached_tokens} is not from get_computed_tokens"
-            req = self._hit(token_ids, num_cached_tokens // self.block_size)
+            req = self._hit(token_ids, num_cached_tokens // self.block_size, mm_spans)
         num_needed = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
         plan = {}
         for g, spec in self.specs.items():
@@ -121,21 +127,22 @@ class KVCacheManager:
             table += pool.allocate(num_alloc)
         return True
 
-    def allocate_external(self, request_id: str, num_tokens: int) -> bool:
+    def allocate_external(self, request_id: str, num_tokens: int, mm_spans: Sequence[MultiModalSpan] = ()) -> bool:
         """For a new request whose first num_tokens positions are computed elsewhere (PD: written by a prefill
         instance): the blocks holding them that a later query reads (a full group: all; a window group: from
-        first_needed_block(num_tokens) on, null before). All or nothing, as allocate."""
+        first_needed_block(num_tokens) on, null before). mm_spans: the prompt's multimodal items. All or nothing,
+        as allocate."""
         assert request_id not in self._requests, f"{request_id} already holds blocks"
         n = -(-num_tokens // self.block_size)
         plan = {g: min(spec.first_needed_block(num_tokens), n) for g, spec in self.specs.items()}
         if any(n - first > self.pools[g].num_free_blocks for g, first in plan.items()):
             return False
         self._requests[request_id] = _Request({g: [NULL_BLOCK] * first + self.pools[g].allocate(n - first)
-                                               for g, first in plan.items()})
+                                               for g, first in plan.items()}, mm_spans=mm_spans)
         return True
 
-    def _hit(self, token_ids: list[int], num_blocks: int) -> _Request:
-        hashes = hash_blocks(token_ids, self.block_size, num_tokens=num_blocks * self.block_size)
+    def _hit(self, token_ids: list[int], num_blocks: int, mm_spans: Sequence[MultiModalSpan]) -> _Request:
+        hashes = hash_blocks(token_ids, self.block_size, num_tokens=num_blocks * self.block_size, mm_spans=mm_spans)
         tables = {}
         for g, spec in self.specs.items():
             first = spec.first_needed_block(num_blocks * self.block_size)
@@ -144,7 +151,7 @@ class KVCacheManager:
                 raise RuntimeError(f"group {g}: a prefix-cache hit was evicted since get_computed_tokens; "
                                    "allocate a request right after querying it")
             tables[g] = [NULL_BLOCK] * first + ids
-        return _Request(tables, hashes, num_cached_blocks=num_blocks)
+        return _Request(tables, hashes, num_cached_blocks=num_blocks, mm_spans=mm_spans)
 
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Register the request's blocks that became full (all block_size tokens computed) under their hashes, in
@@ -152,7 +159,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         req = self._requests[request_id]
-        hash_blocks(token_ids, self.block_size, req.hashes, num_computed_tokens)
+        hash_blocks(token_ids, self.block_size, req.hashes, num_computed_tokens, req.mm_spans)
         for g, pool in self.pools.items():
             table = req.tables[g]
             assert len(req.hashes) <= len(table), f"{request_id}: tokens computed beyond its allocated blocks"

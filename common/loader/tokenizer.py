@@ -12,7 +12,8 @@ CORPUS = Path(__file__).with_name("corpus.txt")
 
 def write_tokenizer(path, vocab_size: int, special_tokens: dict[str, str], chat_template: str, bos: str = "bos",
                     eos: str = "eos", pad: str = "pad", add_bos: bool = True, add_eos: bool = False,
-                    model_max_length: int = 4096, extra_corpus: tuple[str, ...] = ()) -> Path:
+                    model_max_length: int = 4096, extra_corpus: tuple[str, ...] = (),
+                    last_special_tokens: tuple[str, ...] = ()) -> Path:
     """Save tokenizer.json + tokenizer_config.json that transformers.AutoTokenizer loads.
 
     special_tokens: role -> token string, e.g. {"bos": "<|begin|>", "eos": "<|end|>", "user": "<|User|>"}; each
@@ -20,6 +21,8 @@ def write_tokenizer(path, vocab_size: int, special_tokens: dict[str, str], chat_
     add_bos: plain encode() prepends the bos token (a chat template writes its own); add_eos: appends the eos token
     (CLIP-style text encoders pool at it). Total vocab <= vocab_size. extra_corpus: texts trained on besides
     corpus.txt (a chat format's fixed strings, so that its prompts take as few tokens as a real vocabulary's do).
+    last_special_tokens: special tokens that take the last ids (vocab_size - len .. vocab_size - 1) after the trained
+    vocabulary, so that adding one to a tokenizer keeps every other id (only the least frequent merges give way).
     """
     specials = list(special_tokens.values())
     if vocab_size < 256 + len(specials):
@@ -27,9 +30,15 @@ def write_tokenizer(path, vocab_size: int, special_tokens: dict[str, str], chat_
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=specials, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(last_special_tokens), min_frequency=2,
+                                  special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(CORPUS.read_text().split("\n\n") + list(extra_corpus), trainer)
+    if last_special_tokens:
+        if tokenizer.get_vocab_size() != vocab_size - len(last_special_tokens):
+            raise ValueError(f"the corpus trains {tokenizer.get_vocab_size()} tokens, fewer than the "
+                             f"{vocab_size - len(last_special_tokens)} before the last special tokens")
+        tokenizer.add_special_tokens(list(last_special_tokens))
     bos_token, eos_token = special_tokens.get(bos), special_tokens.get(eos)
     add_bos, add_eos = bool(add_bos and bos_token), bool(add_eos and eos_token)
     if add_bos or add_eos:

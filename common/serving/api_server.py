@@ -24,6 +24,7 @@ from .chat import OpenAIServingChat
 from .chat_format import ChatFormat, TemplateChatFormat
 from .completions import OpenAIServingCompletion
 from .http_utils import APIError, error_response
+from .media_connector import MediaConnector
 from .metrics import ServerMetrics
 from .openai_serving import OpenAIServing
 from .pd_prefill import PrefillConnector, add_prefill_routes
@@ -50,14 +51,16 @@ class EndQuietlyOnCancel:
 
 
 def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key: str | None = None,
-              drain_timeout: float = 0.0, chat_format: ChatFormat | None = None) -> FastAPI:
-    """chat_format: the model's (chat_format.py); None: the tokenizer's chat template (no tools).
+              drain_timeout: float = 0.0, chat_format: ChatFormat | None = None, media: MediaConnector | None = None,
+              max_images: int = 8) -> FastAPI:
+    """chat_format: the model's (chat_format.py); None: the tokenizer's chat template (no tools). media, max_images:
+    how image URLs are fetched (bounded bytes, time, pixels) and how many images a request may carry.
     PD roles: the engine's kv_connector decides (a DecodeConnector takes requests that name a prefill instance
     in the X-PD-Prefill header; a PrefillConnector adds the /pd routes)."""
     engine = async_engine.engine
     connector = engine.kv_connector
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(async_engine, tokenizer, model_name, metrics)
+    serving = OpenAIServing(async_engine, tokenizer, model_name, metrics, media, max_images)
 
     async def lifespan(app: FastAPI):
         if connector is not None:

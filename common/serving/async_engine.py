@@ -26,11 +26,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from common import parallel as par
 from common.engine import LLMEngine, RequestOutput, SamplingParams
 from common.engine.llm import LeastLoaded, request_cost
+from common.engine.multimodal import MultiModalInput
 from common.engine.request import Request
 
 IDLE_TICK_S = 0.05  # how long an idle engine waits for a command before looking again
@@ -85,15 +86,17 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: dict | None = None, mm_inputs: Sequence[MultiModalInput] = ()
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; the last has `finished`. ValueError for a prompt that
         can never run, EngineOverloaded when too many are pending. kv_transfer_params (PD): the KV connector's
-        parameters, with do_remote_prefill or do_remote_decode set (common/engine/request.py)."""
+        parameters, with do_remote_prefill or do_remote_decode set (common/engine/request.py). mm_inputs: the
+        images placed in a prompt of ids (LLMEngine.place_images)."""
         if self._stopping or self.error is not None:
             raise EngineOverloaded("the server is shutting down" if self._stopping else f"engine failed: {self.error}")
         if self.num_pending >= self.max_waiting:
             raise EngineOverloaded(f"{self.num_pending} requests pending, the limit is {self.max_waiting}")
-        req = self.engine.make_request(prompt, params, request_id)
+        req = self.engine.make_request(prompt, params, request_id, mm_inputs=mm_inputs)
         req.kv_transfer_params = kv_transfer_params
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
@@ -199,7 +202,7 @@ class AsyncLLMEngine:
             kind, arg = self._commands.popleft()
             if kind == "add" and self.parallel.world_size > 1:
                 owner = self._balance.assign(arg.request_id, request_cost(arg))
-                fields = arg.request_id, arg.prompt_token_ids, arg.sampling_params, arg.prompt
+                fields = arg.request_id, arg.prompt_token_ids, arg.sampling_params, arg.prompt, arg.mm_inputs
                 arg = fields, arg.kv_transfer_params, owner
             elif kind == "add":
                 arg = arg, None, 0
@@ -209,7 +212,8 @@ class AsyncLLMEngine:
         if owner != par.group_rank(self.engine.dp_group):
             return  # another DP rank's
         if not isinstance(req, Request):
-            req = Request(*req, kv_transfer_params=kv_transfer_params)
+            request_id, ids, params, prompt, mm_inputs = req
+            req = Request(request_id, ids, params, prompt, kv_transfer_params=kv_transfer_params, mm_inputs=mm_inputs)
         try:
             self.engine.add(req)
         except ValueError as e:  # an id in use: this request's fault, not the engine's

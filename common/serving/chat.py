@@ -80,7 +80,8 @@ class OpenAIServingChat:
         prompt, constraint = self.render(body)
         await s.check_constraint(constraint, "tool_choice" if body.forces_tool_calls else
                                  "structured_outputs" if body.structured_outputs is not None else "response_format")
-        prompts = [s.tokenize(prompt.text, body.add_special_tokens)]
+        ids, mm_inputs = await s.place_images(s.tokenize(prompt.text, body.add_special_tokens), prompt.images)
+        prompts = [ids]  # images expanded: usage's prompt_tokens counts their tokens
         tools = body.active_tools
         decoders = [self.decoder(prompt, tools, body.stop_strings) for _ in range(body.n)]
         head = {"id": request_id, "object": "chat.completion.chunk" if body.stream else "chat.completion",
@@ -100,7 +101,7 @@ class OpenAIServingChat:
             return decoders[i].finish_reason(out)
 
         if body.stream:
-            started = await s.unless_disconnected(raw, s.submit(prompts, params, body.n, request_id, raw))
+            started = await s.unless_disconnected(raw, s.submit(prompts, params, body.n, request_id, raw, mm_inputs))
             if started is None:
                 return Response(status_code=499)  # gone before its first token (PD: while P prefilled)
             role_sent = set()
@@ -119,7 +120,7 @@ class OpenAIServingChat:
 
             return s.chunk_stream(started, arrival, make_chunk, head, prompts if body.include_usage else None)
 
-        finals = await s.generate_whole(prompts, params, body.n, request_id, arrival, raw)
+        finals = await s.generate_whole(prompts, params, body.n, request_id, arrival, raw, mm_inputs)
         if finals is None:
             return Response(status_code=499)  # nobody is listening
         choices = []

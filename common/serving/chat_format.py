@@ -99,6 +99,7 @@ class Conversation:
 class ChatPrompt:
     text: str
     thinking: bool  # the prompt opened a thinking span: the model reasons first
+    images: tuple[dict, ...] = ()  # the image content parts, in prompt order: one image placeholder each in text
 
 
 class OutputParser(Protocol):
@@ -202,6 +203,9 @@ class TemplateChatFormat:
                                       "no place in this model's chat template")
             content = m.get("content") or ""
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]: the text parts, joined
+                if any(part.get("type") != "text" for part in content):
+                    raise ChatFormatError(f"messages.{i}.content", "this model's chat template takes text parts "
+                                          "only (no images)")
                 content = "".join(part["text"] for part in content)
             messages.append({"role": m["role"], "content": content})
         try:

@@ -1,5 +1,6 @@
 """The bytes of an image a request names by URL (vLLM's MediaConnector): `data:` URLs (base64 or percent-encoded)
-and http(s) URLs, fetched with a bound on bytes and on time. Decoding the bytes is the image processor's job.
+and http(s) URLs, fetched with a bound on bytes and on time, and on the pixels the image's header declares.
+Decoding the bytes is the image processor's job.
 
 Every refusal is a MediaError (a ValueError) whose message names the problem; the server answers it with a 400.
 """
@@ -10,8 +11,11 @@ import binascii
 import time
 import urllib.error
 import urllib.parse
+import io
 import urllib.request
 from dataclasses import dataclass
+
+from PIL import Image
 
 CHUNK = 1 << 16
 
@@ -24,14 +28,17 @@ class MediaError(ValueError):
 class MediaConnector:
     """max_bytes: the largest image accepted (encoded); timeout_s: the longest an http(s) fetch may take in all;
     allowed_domains: hosts http(s) URLs may name (None: any; a server facing untrusted clients should list them,
-    or it fetches whatever its clients point it at)."""
+    or it fetches whatever its clients point it at); max_pixels: the largest width x height an image's header may
+    declare (read before any pixel is decoded; an image whose header does not read is left to the processor)."""
     max_bytes: int = 20 << 20
     timeout_s: float = 10.0
     allowed_domains: tuple[str, ...] | None = None
+    max_pixels: int = 50_000_000
 
     def __post_init__(self):
-        if not (isinstance(self.max_bytes, int) and self.max_bytes > 0):
-            raise ValueError(f"max_bytes must be a positive int, got {self.max_bytes!r}")
+        for name in ("max_bytes", "max_pixels"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
 
@@ -41,10 +48,24 @@ class MediaConnector:
             raise MediaError("an image URL must be a non-empty string")
         scheme = url.split(":", 1)[0].lower()
         if scheme == "data":
-            return self._data(url)
-        if scheme in ("http", "https"):
-            return self._http(url)
-        raise MediaError(f"image URLs are data: or http(s):, not {scheme + ':' if ':' in url else repr(url[:40])}")
+            data = self._data(url)
+        elif scheme in ("http", "https"):
+            data = self._http(url)
+        else:
+            raise MediaError(f"image URLs are data: or http(s):, not "
+                             f"{scheme + ':' if ':' in url else repr(url[:40])}")
+        self._check_pixels(data)
+        return data
+
+    def _check_pixels(self, data: bytes) -> None:
+        try:
+            with Image.open(io.BytesIO(data)) as image:  # the header only
+                width, height = image.size
+        except (OSError, ValueError, Image.DecompressionBombError):
+            return  # not an image (or a broken one): the processor says which
+        if width * height > self.max_pixels:
+            raise MediaError(f"the image is {width}x{height} = {width * height} pixels, more than the "
+                             f"{self.max_pixels} allowed")
 
     def _data(self, url: str) -> bytes:
         head, sep, payload = url[5:].partition(",")

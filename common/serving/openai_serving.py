@@ -1,6 +1,7 @@
-"""The request path every generation endpoint shares (vLLM's OpenAIServing): check the model, tokenize, submit the
-engine requests (n choices a prompt, PD's remote prefill), stream them as server-sent events or collect them whole,
-count usage and outcomes, and stop when the client leaves. The endpoints (completions.py, chat.py, responses.py)
+"""The request path every generation endpoint shares (vLLM's OpenAIServing): check the model, tokenize, fetch and
+place a prompt's images, submit the engine requests (n choices a prompt, PD's remote prefill), stream them as
+server-sent events or collect them whole, count usage (image tokens included) and outcomes, and stop when the client
+leaves. The endpoints (completions.py, chat.py, responses.py)
 only turn their request bodies into prompts and sampling parameters, and engine outputs into their response shapes.
 """
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -18,6 +19,7 @@ from common.engine.sampling_params import StructuredOutputsParams
 
 from .async_engine import AsyncLLMEngine, EngineOverloaded
 from .http_utils import APIError, run_unless_disconnected
+from .media_connector import MediaConnector
 from .metrics import ServerMetrics
 from .pd_decode import DecodeConnector
 from .pd_protocol import PREFILL_HEADER
@@ -38,10 +40,15 @@ def error_event(message: str) -> dict:
 
 
 class OpenAIServing:
-    def __init__(self, async_engine: AsyncLLMEngine, tokenizer, model_name: str, metrics: ServerMetrics):
+    """media: fetches the images requests name by URL (bounded bytes, time and pixels); max_images: the most images
+    one request may carry."""
+
+    def __init__(self, async_engine: AsyncLLMEngine, tokenizer, model_name: str, metrics: ServerMetrics,
+                 media: MediaConnector | None = None, max_images: int = 8):
         self.async_engine, self.tokenizer, self.model_name, self.metrics = async_engine, tokenizer, model_name, metrics
         self.engine = async_engine.engine
         self.connector = self.engine.kv_connector
+        self.media, self.max_images = media or MediaConnector(), max_images
 
     @property
     def max_model_len(self) -> int:
@@ -56,6 +63,29 @@ class OpenAIServing:
         """The engine's rule (LLMEngine.tokenize): completions add the tokenizer's special tokens to text prompts by
         default, chat prompts (whose format writes its own) do not."""
         return self.engine.tokenize(prompt, add_special_tokens)
+
+    async def place_images(self, ids: list[int], images: Sequence[dict], param: str = "messages"):
+        """A prompt's image parts (OpenAI's {"type": "image_url", "image_url": {"url": ...}}, in prompt order)
+        fetched and run through the model's encoder stage: (the ids with each image placeholder expanded, the placed
+        images). 400 naming the problem: too many images, a URL refused, an image the processor refuses (not an
+        image, truncated, an unsupported mode, too large), a model that takes no images."""
+        if not images:
+            return ids, []
+        if len(images) > self.max_images:
+            raise APIError(400, f"{param}: {len(images)} images in one request; at most {self.max_images} are "
+                                "accepted", param=param)
+
+        async def fetch(i: int, url: str) -> bytes:
+            try:
+                return await asyncio.to_thread(self.media.fetch, url)
+            except ValueError as e:
+                raise APIError(400, f"{param}: image {i}: {e}", param=param) from None
+
+        sources = await asyncio.gather(*(fetch(i, part["image_url"]["url"]) for i, part in enumerate(images)))
+        try:
+            return await asyncio.to_thread(self.engine.place_images, ids, sources)
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
 
     def remote_prefill(self, raw: Request) -> dict | None:
         """PD decode side: the kv_transfer_params of a request the router paired with a prefill instance."""
@@ -83,8 +113,9 @@ class OpenAIServing:
             raise APIError(400, f"{field}: {e}", param=field) from None
 
     async def submit(self, prompts: list[list[int]], params: Callable[[list[int], int], SamplingParams], n: int,
-                     request_id: str, raw: Request) -> list:
-        """n engine requests a prompt, params(prompt ids, choice index) each; started (each first output in)."""
+                     request_id: str, raw: Request, mm_inputs: Sequence = ()) -> list:
+        """n engine requests a prompt, params(prompt ids, choice index) each; started (each first output in).
+        mm_inputs: the images placed in every prompt (place_images)."""
         try:
             sampling = [params(p, j) for p in prompts for j in range(n)]
         except ValueError as e:
@@ -92,7 +123,7 @@ class OpenAIServing:
         expanded = [p for p in prompts for _ in range(n)]
         kv = self.remote_prefill(raw)
         try:
-            return await start(self.async_engine, expanded, sampling, request_id, kv)
+            return await start(self.async_engine, expanded, sampling, request_id, kv, mm_inputs)
         except EngineOverloaded as e:
             raise APIError(503, str(e), "server_overloaded", headers={"Retry-After": "1"}) from None
         except ValueError as e:
@@ -123,10 +154,11 @@ class OpenAIServing:
             raise APIError(500, f"generation failed: {failed[0]}", "internal_server_error")
         return finals
 
-    async def generate_whole(self, prompts, params, n: int, request_id: str, arrival: float, raw: Request):
+    async def generate_whole(self, prompts, params, n: int, request_id: str, arrival: float, raw: Request,
+                             mm_inputs: Sequence = ()):
         """Submit and collect, unless the client leaves: the finals, or None (nobody is listening)."""
         async def work():
-            return await self.collect(await self.submit(prompts, params, n, request_id, raw), arrival)
+            return await self.collect(await self.submit(prompts, params, n, request_id, raw, mm_inputs), arrival)
         finals = await self.unless_disconnected(raw, work())
         if finals is not None:
             self.metrics.count("success")

@@ -24,7 +24,7 @@ import logging
 from common.kv_transfer import KVTransport
 
 from .async_engine import AsyncLLMEngine
-from .pd_protocol import PDConnector, logprobs_from_json
+from .pd_protocol import PDConnector, images_to_json, logprobs_from_json
 
 try:
     import httpx2 as httpx  # what openai 3.x installs
@@ -79,7 +79,7 @@ class DecodeConnector(PDConnector):
         if self.tp_rank == 0:  # the request itself, once
             body = {"room": request.request_id, "prompt_token_ids": request.prompt_token_ids,
                     "sampling_params": dataclasses.asdict(request.sampling_params),
-                    "url": request.kv_transfer_params["prefill_url"]}
+                    "url": request.kv_transfer_params["prefill_url"], "images": images_to_json(request.mm_inputs)}
         self.outbox.append(("load", request.request_id, self.tp_rank, target, body))
 
     def cancel_load(self, request_id: str) -> None:

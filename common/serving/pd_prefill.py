@@ -1,8 +1,9 @@
 """The prefill (P) role of PD disaggregation: prefill a decode instance's request, write its KV into the blocks the
 decode instance allocated, answer with the first token.
 
-    POST /pd/prefill  {room, prompt_token_ids, sampling_params, targets: [{peer, layout, block_tables}]}
-        runs the prompt (prefix cache, chunked prefill as any request), samples the first token with the request's
+    POST /pd/prefill  {room, prompt_token_ids, sampling_params, targets: [{peer, layout, block_tables}], images}
+        runs the prompt (prefix cache, chunked prefill as any request; its images, sent as the decode instance
+        received them, processed and encoded here), samples the first token with the request's
         own sampling parameters, writes every cache group's blocks (runs of consecutive blocks one write per cache
         tensor) through the KVTransport into each target's registered memory, frees its blocks, and answers
         {token_ids, logprobs, prompt_logprobs, num_cached_tokens}. The answer is the decode instance's
@@ -38,7 +39,7 @@ from common.engine import SamplingParams
 from common.kv_transfer import CacheLayout, KVTransport
 
 from .async_engine import AsyncLLMEngine, EngineOverloaded
-from .pd_protocol import PDConnector, logprobs_to_json
+from .pd_protocol import PDConnector, images_from_json, logprobs_to_json
 from .http_utils import error_response, run_unless_disconnected
 
 logger = logging.getLogger("npu_cookbook.pd")
@@ -226,6 +227,7 @@ class PrefillBody(BaseModel):
     prompt_token_ids: list[int]
     sampling_params: dict
     targets: list[Target]
+    images: list[dict] = []  # pd_protocol.images_to_json: [{identifier, offset, length, data (base64)}]
 
 
 class AbortBody(BaseModel):
@@ -279,8 +281,13 @@ async def _prefill(async_engine: AsyncLLMEngine, connector: PrefillConnector, bo
     final = None
     targets = [t.model_dump() for t in body.targets]
     try:
+        images = await asyncio.to_thread(images_from_json, body.images, async_engine.engine.contract.encoder)
+    except ValueError as e:
+        return error_response(400, str(e), "invalid_request_error", "images")
+    try:
         async for out in async_engine.generate(body.prompt_token_ids, params, body.room,
-                                               kv_transfer_params={"do_remote_decode": True, "targets": targets}):
+                                               kv_transfer_params={"do_remote_decode": True, "targets": targets},
+                                               mm_inputs=images):
             final = out
         if final.finish_reason in ("abort", "error"):
             return error_response(500, f"prefill failed: {final.error or final.finish_reason}",

@@ -137,9 +137,12 @@ class ChatMessage(_Strict):
                                       else "only tool messages carry a tool_call_id")
         for m, part in enumerate(self.content if isinstance(self.content, list) else []):
             kind = part.get("type")
-            if kind != "text":
+            if kind == "image_url":
+                yield from _image_part_refusals(self.role, m, part)
+            elif kind != "text":
                 yield ("content", m), _unsupported(f"{kind!r} content parts are" if isinstance(kind, str) else
-                                                   "a content part without a type is", '{"type": "text", ...}')
+                                                   "a content part without a type is",
+                                                   '{"type": "text", ...} (or "image_url" in user messages)')
             elif not isinstance(part.get("text"), str):
                 yield ("content", m, "text"), 'a text content part is {"type": "text", "text": <a string>}'
             else:
@@ -156,6 +159,25 @@ class ChatMessage(_Strict):
             if getattr(self, key) is not None:
                 m[key] = getattr(self, key)
         return m
+
+
+def _image_part_refusals(role: str, m: int, part: dict) -> Iterator[Refusal]:
+    """OpenAI's image part {"type": "image_url", "image_url": {"url": data: or http(s) URL, "detail": "auto"}}, in a
+    user message."""
+    if role != "user":
+        yield ("content", m), f"image content parts go in user messages, not {role} messages"
+    for key in sorted(part.keys() - {"type", "image_url"}):
+        yield ("content", m, key), UNRECOGNIZED
+    image = part.get("image_url")
+    if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+        yield ("content", m, "image_url"), 'an image part is {"type": "image_url", "image_url": {"url": <a data: ' \
+                                           'or http(s) URL>}}'
+        return
+    for key in sorted(image.keys() - {"url", "detail"}):
+        yield ("content", m, "image_url", key), UNRECOGNIZED
+    if image.get("detail", "auto") != "auto":
+        yield ("content", m, "image_url", "detail"), _unsupported("", '"auto"') + \
+            " (the image processor picks one canvas per image)"
 
 
 class FunctionDefinition(_Strict):

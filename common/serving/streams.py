@@ -65,10 +65,11 @@ def chat_logprobs(tokenizer, logprobs: list) -> dict:
 
 
 async def start(async_engine, prompts: list[list[int]], params: list, request_id: str,
-                kv_transfer_params: dict | None = None) -> list:
+                kv_transfer_params: dict | None = None, mm_inputs=()) -> list:
     """Submit one engine request per (prompt, params) and wait for each first output, so that a rejection
-    (EngineOverloaded, ValueError) comes before any response starts; on one, the others are aborted."""
-    gens = [async_engine.generate(p, sp, f"{request_id}-{i}", kv_transfer_params)
+    (EngineOverloaded, ValueError) comes before any response starts; on one, the others are aborted. mm_inputs: the
+    images placed in every prompt (a chat request's n choices share one)."""
+    gens = [async_engine.generate(p, sp, f"{request_id}-{i}", kv_transfer_params, mm_inputs)
             for i, (p, sp) in enumerate(zip(prompts, params))]
     firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
     errors = [f for f in firsts if isinstance(f, BaseException)]

@@ -40,9 +40,10 @@ class DeepseekV4ChatFormat:
         response_format = conversation.response_format
         if response_format is not None and response_format.get("type") == "text":
             response_format = None
+        images = []
         text = encode_chat(conversation.messages, tools=conversation.tools, response_format=response_format,
-                           thinking=thinking, reasoning_effort=conversation.reasoning_effort)
-        return ChatPrompt(text, thinking)
+                           thinking=thinking, reasoning_effort=conversation.reasoning_effort, images=images)
+        return ChatPrompt(text, thinking, tuple(images))
 
     def parser(self, prompt: ChatPrompt, tools: list[dict] | None) -> StreamingParser:
         return StreamingParser(prompt.thinking, tools)

@@ -54,6 +54,8 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     quant_format: str | None = None  # "w8a8" | "w4a8": a checkpoint convert_checkpoint.py wrote; None: float weights
     quant_group_size: int | None = None  # w4a8: inputs per int4 scale
+    vision_config: dict | None = None  # the vision tower's (Vision-Exp layout: modeling_deepseek_vision.VisionArgs)
+    image_token_id: int | None = None  # the prompt's image placeholder `<｜deepseek_image｜>`
 
     def __post_init__(self):
         n = self.num_hidden_layers
@@ -84,6 +86,14 @@ class ModelArgs:
             raise ValueError(f"quant_format {self.quant_format!r}: expected w8a8, w4a8 or none")
         if (self.quant_format == "w4a8") != (self.quant_group_size is not None):
             raise ValueError("quant_group_size is set exactly for w4a8")
+        if self.has_vision and not (isinstance(self.image_token_id, int) and 0 <= self.image_token_id < self.vocab_size):
+            raise ValueError(f"a vision checkpoint needs image_token_id in [0, {self.vocab_size}), got "
+                             f"{self.image_token_id!r}")
+
+    @property
+    def has_vision(self) -> bool:
+        """A vision tower (upstream: vision_config with num_hidden_layers > 0): image inputs, `bias_vl` routing."""
+        return int((self.vision_config or {}).get("num_hidden_layers", 0)) > 0
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -12,6 +12,12 @@ Prompt (`encode_messages`, `encode_chat`):
     <｜DSML｜parameter name="k" string="true">v</｜DSML｜parameter>\n
     </｜DSML｜invoke>\n</｜DSML｜tool_calls><｜end▁of▁sentence｜>
     <｜User｜><tool_result>...</tool_result>\n\n<tool_result>...</tool_result><｜Assistant｜><think>
+    <｜User｜>What is this?\n\n<｜deepseek_image｜><｜Assistant｜></think>   (Vision-Exp: an image part, one placeholder)
+
+Images (DeepSeek-V4-Flash-Vision-Exp's `encoding_dsv4.py`): a content part {"type": "image_url", "image_url": {"url":
+...}} (or Anthropic's {"type": "image", "source": ...}) becomes a text part holding one `<｜deepseek_image｜>`, joined
+with the message's other parts by a blank line; text holding the placeholder itself is refused. The image parts come
+back in prompt order (`images=`), for the image processor to expand each placeholder.
 
 Output (`parse_completion`, `StreamingParser`): the generated text decoded with special tokens kept. In thinking
 mode it starts inside the reasoning (the prompt ends with `<think>`), which ends at `</think>` or at the first DSML
@@ -58,6 +64,8 @@ DSML = "｜DSML｜"
 TOOL_CALLS_START, TOOL_CALLS_END = f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"
 INVOKE_END, PARAMETER_END = f"</{DSML}invoke>", f"</{DSML}parameter>"
 ROLES = ("system", "developer", "user", "assistant", "tool")
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
+IMAGE_PARTS = ("image_url", "image")
 REASONING_EFFORTS = (None, "high", "max")  # only "max" changes the prompt
 
 REASONING_EFFORT_MAX = (
@@ -115,24 +123,39 @@ class _Turn:
     calls: list[tuple[str, dict]] = field(default_factory=list)  # (name, arguments)
     tools: list[dict] = field(default_factory=list)  # function definitions
     response_format: dict | None = None
-    blocks: list[tuple[str, int]] = field(default_factory=list)  # (rendered block, tool-call position or -1)
+    blocks: list[tuple[str, int, list]] = field(default_factory=list)  # (rendered block, tool-call position or -1,
+    #   its image parts)
+    images: list[dict] = field(default_factory=list)  # image parts of a system / developer turn
 
 
-def _text(content, where: str) -> str:
-    """Message content as text: None, a string, or a list of text parts (joined by a blank line)."""
+def _text(content, where: str, images: list | None = None) -> str:
+    """Message content as text: None, a string, or a list of text and image parts (joined by a blank line). Image
+    parts become the image placeholder and are appended to `images` (None: refused, with the placeholder in text)."""
     if content is None:
         return ""
     if isinstance(content, str):
+        _no_placeholder(content, f"{where}.content")
         return content
     if not isinstance(content, list):
         raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PARTS and images is not None:
+            texts.append(IMAGE_PLACEHOLDER)
+            images.append(part)
+            continue
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}.content[{j}]: only text parts are supported, got type {kind!r}")
+            allowed = "text and image parts are" if images is not None else "only text parts are"
+            raise ValueError(f"{where}.content[{j}]: {allowed} supported, got type {kind!r}")
+        _no_placeholder(part["text"], f"{where}.content[{j}]")
         texts.append(part["text"])
     return "\n\n".join(texts)
+
+
+def _no_placeholder(text: str, where: str) -> None:
+    if IMAGE_PLACEHOLDER in text:
+        raise ValueError(f"{where} holds the image placeholder {IMAGE_PLACEHOLDER}: send images as image_url parts")
 
 
 def _functions(tools, where: str) -> list[dict]:
@@ -177,9 +200,10 @@ def _tool_calls(calls, where: str) -> tuple[list[tuple[str, dict]], list[str]]:
     return out, ids
 
 
-def _merge(messages) -> list[_Turn]:
+def _merge(messages, images: bool = False) -> list[_Turn]:
     """Validate OpenAI-style messages; merge tool results (and adjacent user text) into user turns, tool results
-    ordered by the preceding assistant's tool_calls."""
+    ordered by the preceding assistant's tool_calls. images: image parts are taken (else refused), kept with their
+    block or turn."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     turns: list[_Turn] = []
@@ -197,9 +221,12 @@ def _merge(messages) -> list[_Turn]:
                 if cid not in call_position:
                     raise ValueError(f"{where}: tool_call_id {cid!r} matches no tool call of the preceding "
                                      "assistant message")
-                block = (f"<tool_result>{_text(m.get('content'), where)}</tool_result>", call_position[cid])
+                parts = [] if images else None
+                block = (f"<tool_result>{_text(m.get('content'), where, parts)}</tool_result>", call_position[cid],
+                         parts or [])
             else:
-                block = (_text(m.get("content"), where), -1)
+                parts = [] if images else None
+                block = (_text(m.get("content"), where, parts), -1, parts or [])
             if not (turns and turns[-1].role == "user"):
                 turns.append(_Turn("user"))
             turns[-1].blocks.append(block)
@@ -211,14 +238,15 @@ def _merge(messages) -> list[_Turn]:
             call_position = {cid: j for j, cid in enumerate(ids)}
             turns.append(_Turn("assistant", _text(m.get("content"), where), reasoning, calls))
         else:
-            text = _text(m.get("content"), where)
+            parts = [] if images else None
+            text = _text(m.get("content"), where, parts)
             if role == "developer" and not text:
                 raise ValueError(f"{where}: developer message with empty content")
             fmt = m.get("response_format")
             if fmt is not None and not isinstance(fmt, dict):
                 raise ValueError(f"{where}.response_format must be an object")
             tools = _functions(m["tools"], where) if m.get("tools") else []
-            turns.append(_Turn(role, text, tools=tools, response_format=fmt or None))
+            turns.append(_Turn(role, text, tools=tools, response_format=fmt or None, images=parts or []))
     for t in turns:  # tool results in call order; text blocks keep their places
         results = iter(sorted((b for b in t.blocks if b[1] >= 0), key=lambda b: b[1]))
         t.blocks = [next(results) if b[1] >= 0 else b for b in t.blocks]
@@ -246,7 +274,7 @@ def _render(t: _Turn, keep_reasoning: bool) -> str:
             out += f"\n\n{TOOL_CALLS_START}\n{invokes}\n{TOOL_CALLS_END}"
         return out + EOS
     if t.role == "user":
-        return USER + "\n\n".join(text for text, _ in t.blocks)
+        return USER + "\n\n".join(text for text, _, _ in t.blocks)
     out = (USER if t.role == "developer" else "") + t.text
     if t.tools:
         out += "\n\n" + _render_tools(t.tools)
@@ -260,7 +288,7 @@ def _last_user(turns: list[_Turn]) -> int:
 
 
 def encode_messages(messages: list[dict], thinking: bool = False, reasoning_effort: str | None = None,
-                    drop_thinking: bool = True, add_bos: bool = True) -> str:
+                    drop_thinking: bool = True, add_bos: bool = True, images: list | None = None) -> str:
     """The DeepSeek-V4 prompt for `messages` (OpenAI-style dicts).
 
     Roles: system (raw content; may carry `tools` in OpenAI format and `response_format`), developer (a user turn
@@ -270,11 +298,13 @@ def encode_messages(messages: list[dict], thinking: bool = False, reasoning_effo
     after any one followed by an assistant turn) comes `<｜Assistant｜><think>` in thinking mode, `</think>` else.
     drop_thinking (thinking mode): assistant reasoning and developer turns before the last user turn are dropped;
     forced off when any message carries tools. reasoning_effort: None, "high" (same prompt) or "max" (prepends
-    REASONING_EFFORT_MAX in thinking mode). Raises ValueError naming the bad message or field.
+    REASONING_EFFORT_MAX in thinking mode). images: a list that receives the image parts of user, tool, system and
+    developer messages in prompt order, each rendered as one image placeholder (None: image parts are refused).
+    Raises ValueError naming the bad message or field.
     """
     if reasoning_effort not in REASONING_EFFORTS:
         raise ValueError(f"reasoning_effort must be one of None, 'high', 'max', got {reasoning_effort!r}")
-    turns = _merge(messages)
+    turns = _merge(messages, images is not None)
     drop = drop_thinking and not any(t.tools for t in turns)
     if thinking and drop:
         last = _last_user(turns)
@@ -286,6 +316,8 @@ def encode_messages(messages: list[dict], thinking: bool = False, reasoning_effo
         if i == 0 and thinking and reasoning_effort == "max":
             out.append(REASONING_EFFORT_MAX)
         out.append(_render(t, thinking and (not drop or i > last)))
+        if images is not None:
+            images += t.images + [part for block in t.blocks for part in block[2]]
         following = turns[i + 1].role if i + 1 < len(turns) else None
         if t.role in ("user", "developer") and following in (None, "assistant"):
             out.append(ASSISTANT + (THINK_START if thinking and (not drop or i >= last) else THINK_END))
@@ -293,14 +325,14 @@ def encode_messages(messages: list[dict], thinking: bool = False, reasoning_effo
 
 
 def encode_chat(messages: list[dict], tools: list[dict] | None = None, response_format: dict | None = None,
-                thinking: bool = False, reasoning_effort: str | None = None) -> str:
+                thinking: bool = False, reasoning_effort: str | None = None, images: list | None = None) -> str:
     """The prompt for an OpenAI chat-completions request.
 
     tools (OpenAI `{"type": "function", "function": {...}}` list) and response_format (`{"type": "text"}` = none,
     `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {name, schema, strict}}`, rendered as given)
     go on the first system message when there is one, else on a new empty system message at index 0. `tools=[]` is
     no tools. The conversation must end with a user, developer or tool message (the prompt ends in the generation
-    prompt). Reasoning of earlier turns is dropped unless tools are given.
+    prompt). Reasoning of earlier turns is dropped unless tools are given. images: as encode_messages.
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
@@ -322,13 +354,13 @@ def encode_chat(messages: list[dict], tools: list[dict] | None = None, response_
         extra = {"tools": tools or None, "response_format": response_format}
         first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "system"), None)
         if first is None:
-            _merge(messages)  # errors name the request's own message indices
+            _merge(messages, images is not None)  # errors name the request's own message indices
             messages.insert(0, {"role": "system", "content": "", **extra})
         elif messages[first].get("tools") or messages[first].get("response_format"):
             raise ValueError(f"messages[{first}] already carries tools or response_format")
         else:
             messages[first] = {**messages[first], **extra}
-    return encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort)
+    return encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort, images=images)
 
 
 # ---------------------------------------------------------------- parsing

@@ -1,12 +1,14 @@
 """Offline batch inference with DeepSeek-V4 through the paged-KV, continuously batching engine.
 
-    python generate.py [--weights DIR] [--config configs/X.yaml] [--prompts FILE] [--max-tokens N]
-                       [--temperature T] [--top-p P] [--top-k K] [--seed S] [--speculative-tokens K]
+    python generate.py [--weights DIR] [--config configs/X.yaml] [--prompts FILE | --prompt TEXT [--image FILE ...]]
+                       [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--speculative-tokens K]
                        [--offload-experts N [--placement prefix|frequency|dynamic] [--frequency-file PATH]
                         [--host-backend torch|kt]] [--record-routing PATH]
 
 With no --weights, a tiny random checkpoint in the publisher's format is written to weights/deepseek-v4-tiny
-(once) and used. Each prompt line goes through the tokenizer's chat template.
+(once) and used. Each prompt line goes through the model's chat format. `--image FILE` (repeatable, a vision
+checkpoint: DeepSeek-V4-Flash-Vision-Exp's layout, as the tiny one is) puts the images before the text of the one
+prompt, each an image content part of the user message.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ def parse_args(argv=None):
     p = ArgumentParser(prog="run.sh", description="DeepSeek-V4 offline inference")
     add_model_args(p)
     p.add_argument("--prompts", type=input_path(HERE), default=HERE / "prompts.txt", help="one prompt per line")
+    p.add_argument("--prompt", help="one prompt instead of --prompts")
+    p.add_argument("--image", type=input_path(HERE), action="append", default=[], metavar="FILE",
+                   help="an image for --prompt (repeatable: several images, in order)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -37,8 +42,13 @@ def parse_args(argv=None):
         p.error(f"--record-routing {a.record_routing}: no such directory {a.record_routing.resolve().parent}")
     if a.max_tokens < 1:  # offline runs generate; scoring a prompt alone is the server's echo
         p.error(f"max_tokens must be >= 1, got {a.max_tokens}")
-    if not a.prompts.is_file():
+    if a.prompt is None and not a.prompts.is_file():
         p.error(f"--prompts {a.prompts}: no such file")
+    if a.image and a.prompt is None:
+        p.error("--image goes with --prompt TEXT (the question about the images)")
+    for image in a.image:
+        if not image.is_file():
+            p.error(f"--image {image}: no such file")
     try:
         a.sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
                                     max_tokens=a.max_tokens)
@@ -60,16 +70,23 @@ def main(argv=None) -> int:
         llm = LLM(model, tokenizer, config)
     except ValueError as e:  # settings that can never run (checked when the engine is built)
         fail(e)
-    prompts = [line.strip() for line in a.prompts.read_text().splitlines() if line.strip()]
+    prompts = [a.prompt] if a.prompt is not None else [
+        line.strip() for line in a.prompts.read_text().splitlines() if line.strip()]
     # the prompts as the server renders them: the family's chat format, else the tokenizer's template
     chat = a.family.chat_format() if a.family.chat_format else TemplateChatFormat(tokenizer)
-    texts = [chat.encode(Conversation([{"role": "user", "content": p}])).text for p in prompts]
+    try:
+        inputs = [chat_input(chat, p, a.image) for p in prompts]
+    except ValueError as e:
+        fail(e)
     counter = None
     if a.record_routing is not None:
         counter = RoutingCounter(model.args.n_routed_experts)
         model.record_routing(counter)
     backend.reset_peak_memory()
-    outputs = llm.generate(texts, a.sampling, add_special_tokens=False)  # the chat format wrote its BOS
+    try:  # the chat format wrote its BOS
+        outputs = llm.generate(inputs, a.sampling, add_special_tokens=False)
+    except ValueError as e:  # an image the model cannot take (or a model that takes none)
+        fail(e)
     engine = llm.engine
     s = engine.stats  # per DP rank (TP peers run the same requests): summed tokens over the slowest rank's time
     ranks = par.all_gather_object((s.prefill_tokens, s.prefill_time, s.decode_tokens, s.decode_time,
@@ -96,6 +113,17 @@ def main(argv=None) -> int:
         counter.save(a.record_routing)
         print(f"routing counts of {len(counter.counts)} MoE layers written to {a.record_routing}")
     return 0
+
+
+def chat_input(chat, prompt: str, images: list) -> str | dict:
+    """One user message through the chat format: its text, or with images (image parts first, then the text) the
+    engine's multimodal prompt {"prompt", "multi_modal_data": {"image": files in prompt order}}."""
+    if not images:
+        return chat.encode(Conversation([{"role": "user", "content": prompt}])).text
+    parts = [{"type": "image_url", "image_url": {"url": str(path)}} for path in images]
+    rendered = chat.encode(Conversation([{"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}]))
+    return {"prompt": rendered.text, "multi_modal_data": {"image": [part["image_url"]["url"]
+                                                                    for part in rendered.images]}}
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ IMAGE_TOKEN_ID = 129264  # its id in the publisher's tokenizer (config.json `ima
 TEXT, IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = -1, 0, 1, 2, 3  # per-token types
 PAD_COLOR = (127, 127, 127)
 RESAMPLE = Image.Resampling.BICUBIC
+# modes whose RGB conversion keeps what the image shows: 8-bit color, grayscale, palette, CMYK (with or without
+# alpha, dropped). Pillow would clip 16 / 32-bit integer ("I", "I;16") and float ("F") images to 8 bits, and read
+# LAB / HSV values as RGB: those are refused.
+RGB_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
 
 
 @dataclass
@@ -149,7 +153,7 @@ class DeepseekImageProcessor:
     """Images (PIL images, encoded bytes or file paths) -> ProcessedImage; prompts -> expanded ids and types.
 
     Bad input raises ValueError naming the problem: undecodable data, zero size, more than max_input_pixels, a mode
-    Pillow cannot convert to RGB, an aspect ratio too extreme for its canvas."""
+    that has no faithful RGB conversion, an aspect ratio too extreme for its canvas."""
 
     def __init__(self, config: ImageProcessorConfig | None = None, image_token_id: int = IMAGE_TOKEN_ID,
                  dtype: torch.dtype = torch.bfloat16):
@@ -180,6 +184,9 @@ class DeepseekImageProcessor:
         if width * height > self.config.max_input_pixels:
             raise ValueError(f"image has {width}x{height} = {width * height} pixels, more than the "
                              f"{self.config.max_input_pixels} allowed")
+        if image.mode not in RGB_MODES:
+            raise ValueError(f"image mode {image.mode!r} is not supported (8-bit RGB, grayscale, palette or CMYK "
+                             "images are; 16-bit, 32-bit and float images would lose their values)")
         try:
             image.load()
         except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt data

@@ -34,6 +34,8 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.model_contract import ModelContract
 from common.kv_cache import CacheGroupSpec
 from config_deepseek_v4 import CSA, SLIDING, ModelArgs
+from image_processor_deepseek import DeepseekImageProcessor, ImageProcessorConfig
+from modeling_deepseek_vision import DeepseekVisionModel, VisionArgs, VisionEncoder
 
 WINDOW = "window"  # token-level group: sliding-window KV + the compressors' per-token state
 
@@ -351,7 +353,9 @@ def visible_entries(batch: ForwardBatch, cu_entries: torch.Tensor, ratio: int) -
 
 
 class Gate(nn.Module):
-    """Router weights: logits = x @ weight.T; `bias` (selection only) or a frozen token -> experts table."""
+    """Router weights: logits = x @ weight.T; `bias` (selection only) or a frozen token -> experts table. A vision
+    checkpoint adds `bias_vl` (selection only) on every layer: image tokens pick their experts by scores + bias_vl,
+    on hash layers too (an image token's id says nothing about it)."""
 
     def __init__(self, args: ModelArgs, hash_routing: bool):
         super().__init__()
@@ -361,6 +365,7 @@ class Gate(nn.Module):
             self.register_buffer("tid2eid", torch.zeros(args.vocab_size, args.num_experts_per_tok, dtype=torch.int32))
         else:
             self.bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.zeros(E, dtype=torch.float32)) if args.has_vision else None
 
 
 class MoE(nn.Module):
@@ -388,10 +393,11 @@ class MoE(nn.Module):
         self.routing_counter = None  # common.offload.RoutingCounter, to write a routing-count file
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, uniform: bool = False,
-                seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+                seq_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] (the same on every attention-TP rank) -> [T, D]. uniform: every rank runs T tokens (a
         graph-mode step), so the expert dispatch exchanges fixed-capacity buffers (no split read on the host).
-        seq_ids [T]: each token's sequence in the batch (what dynamic expert placement counts by)."""
+        seq_ids [T]: each token's sequence in the batch (what dynamic expert placement counts by). image_mask [T]
+        bool: the image tokens, routed by bias_vl (None: a text-only batch)."""
         a = self.args
         runs = x.tensor_split(self.tp_size)  # each attention-TP rank routes its share of the tokens
         x_r, ids_r = runs[self.tp_rank], input_ids.tensor_split(self.tp_size)[self.tp_rank]  # [T_r, D], [T_r]
@@ -401,6 +407,8 @@ class MoE(nn.Module):
             renorm=a.norm_topk_prob, routed_scaling_factor=a.routed_scaling_factor,
             tid2eid=self.gate.tid2eid if self.hash else None, input_ids=ids_r if self.hash else None,
         )  # [T_r, k], [T_r, k]
+        if image_mask is not None and self.gate.bias_vl is not None:
+            weights, idx = self._route_images(logits, weights, idx, image_mask.tensor_split(self.tp_size)[self.tp_rank])
         if self.routing_counter is not None:
             self.routing_counter.add(self.layer, idx)
         if self.offload is not None and self.ep_group is None:
@@ -418,6 +426,16 @@ class MoE(nn.Module):
         shared = self.shared_experts(x_r) if self.shared_experts is not None else None
         out = ops.moe_finalize_routing(y, weights, row_idx, shared)  # [T_r, D]
         return par.all_gather_v(out, [len(run) for run in runs], self.tp_group)  # [T, D]
+
+    def _route_images(self, logits: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, image_mask: torch.Tensor):
+        """Image tokens' experts re-picked by top-k of scores + bias_vl, their weights the unbiased scores renormalised
+        and scaled (as upstream); text tokens' kept. logits [T, E], weights / idx [T, k], image_mask [T]."""
+        a = self.args
+        weights_vl, idx_vl = ops.moe_gating_topk(logits, a.num_experts_per_tok, bias=self.gate.bias_vl,
+                                                 score_func=a.scoring_func, renorm=a.norm_topk_prob,
+                                                 routed_scaling_factor=a.routed_scaling_factor)  # [T, k] x2
+        mask = image_mask[:, None]
+        return torch.where(mask, weights_vl, weights), torch.where(mask, idx_vl, idx)
 
     def _forward_offloaded(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                            seq_ids: torch.Tensor | None) -> torch.Tensor:
@@ -508,12 +526,12 @@ class Block(nn.Module):
         p = lambda k: getattr(self, f"hc_{site}_{k}")  # noqa: E731
         return hc_pre(x, p("fn"), p("base"), p("scale"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, n, D] -> [T, n, D]"""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, n, D] -> [T, n, D]; image_mask [T] bool: the image tokens (None: none)"""
         h, post, comb = self._hc("attn", x)
         x = hc_post(self.attn(self.attn_norm(h), batch), x, post, comb)
         h, post, comb = self._hc("ffn", x)
-        out = self.ffn(self.ffn_norm(h), batch.input_ids, batch.uniform_across_ranks, batch.seq_ids)
+        out = self.ffn(self.ffn_norm(h), batch.input_ids, batch.uniform_across_ranks, batch.seq_ids, image_mask)
         return hc_post(out, x, post, comb)
 
 
@@ -526,11 +544,11 @@ def hc_head(x: torch.Tensor, fn, base, scale, hc_eps: float, norm_eps: float) ->
 
 def mtp_args(args: ModelArgs) -> ModelArgs:
     """The main model's args with the MTP blocks appended as layers L.. L+k-1: sliding-window attention only (as
-    upstream runs them) and score-routed MoE."""
+    upstream runs them) and score-routed MoE, without bias_vl (the drafts route image tokens as text)."""
     k = args.num_nextn_predict_layers
     return dataclasses.replace(args, num_hidden_layers=args.num_hidden_layers + k,
                                layer_types=[*args.layer_types, *[SLIDING] * k],
-                               mlp_layer_types=[*args.mlp_layer_types, *["moe"] * k])
+                               mlp_layer_types=[*args.mlp_layer_types, *["moe"] * k], vision_config=None)
 
 
 class MTPBlock(Block):
@@ -591,7 +609,10 @@ def check_offload(args: ModelArgs, layout: par.LLMParallelLayout, num_slots: int
 class DeepseekV4(nn.Module):
     """The main model; with `mtp`, also its num_nextn_predict_layers MTP blocks (`self.mtp`, for speculative
     decoding), which share the embedding and the LM head. offload_slots N: MoE offload, N resident experts per
-    MoE layer (the MTP blocks' too), the rest on the host (`self.offload`, set by the loader)."""
+    MoE layer (the MTP blocks' too), the rest on the host (`self.offload`, set by the loader). A vision checkpoint
+    (Vision-Exp layout) adds the vision tower, aligner and span vectors (`self.vision_model`, replicated on every
+    rank): image embeddings replace their placeholder rows before the residual streams split, and image tokens route
+    by `bias_vl`."""
 
     def __init__(self, args: ModelArgs, parallel: par.Parallel | None = None, mtp: bool = False,
                  offload_slots: int | None = None):
@@ -618,6 +639,10 @@ class DeepseekV4(nn.Module):
         par.shard(self.head.weight, 0, parallel, "lmhead_tp")
         k = args.num_nextn_predict_layers if mtp else 0
         self.mtp = nn.ModuleList(MTPBlock(args, i, ropes, parallel, offload_slots) for i in range(k))
+        self.vision_model = None
+        if args.has_vision:
+            self.vision_model = DeepseekVisionModel(VisionArgs.from_config({"vision_config": args.vision_config,
+                                                                            "hidden_size": D}))
 
     def moe_layers(self) -> dict[int, MoE]:
         """Every MoE by its layer index: the main layers 0..L-1, then the MTP blocks' L.. ."""
@@ -631,11 +656,16 @@ class DeepseekV4(nn.Module):
 
     def engine_contract(self) -> ModelContract:
         """What the engine may use of this model: its MTP blocks when loaded (this model is their MTPDraftModel),
-        and with MoE offload the end-of-prefill hook (dynamic expert placement takes the experts of the sequences
-        whose prompt prefill ended as the resident set)."""
+        its vision encoder stage (a vision checkpoint), and with MoE offload the end-of-prefill hook (dynamic expert
+        placement takes the experts of the sequences whose prompt prefill ended as the resident set)."""
         a = self.args
+        encoder = None
+        if self.vision_model is not None:
+            processor = DeepseekImageProcessor(ImageProcessorConfig.from_config({"vision_config": a.vision_config}),
+                                               a.image_token_id, self.embed.weight.dtype)
+            encoder = VisionEncoder(self.vision_model, processor)
         return ModelContract(a.max_position_embeddings, a.vocab_size, tuple(a.eos_token_ids), self.parallel,
-                             mtp=self if len(self.mtp) else None,
+                             mtp=self if len(self.mtp) else None, encoder=encoder,
                              finish_prefill=self.offload.finish_prefill if self.offload is not None else None)
 
     def cache_specs(self, block_size: int) -> list[CacheGroupSpec]:
@@ -684,11 +714,16 @@ class DeepseekV4(nn.Module):
                                             uniform)  # [T, D]
 
     def residual_streams(self, batch: ForwardBatch) -> torch.Tensor:
-        """The last layer's n residual streams [T, n, D], before hc_head (what the MTP blocks read)."""
+        """The last layer's n residual streams [T, n, D], before hc_head (what the MTP blocks read). Image rows
+        (batch.mm_rows) take their encoder embeddings before the streams split."""
         x = self.embed_tokens(batch.input_ids, batch.uniform_across_ranks)  # [T, D]
+        image_mask = None
+        if batch.mm_rows is not None:
+            x = x.index_copy(0, batch.mm_rows, batch.mm_embeds.to(x.dtype))  # [T, D]
+            image_mask = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device).index_fill_(0, batch.mm_rows, True)
         x = x.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [T, n, D]
         for layer in self.layers:
-            x = layer(x, batch)  # [T, n, D]
+            x = layer(x, batch, image_mask)  # [T, n, D]
         return x
 
     def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import ops
+from common.engine.multimodal import EncoderInput, content_hash
 from common.loader import Checkpoint, load_weights
 
 VISION_PREFIXES = ("vision.", "aligner.")
@@ -245,8 +246,8 @@ class DeepseekVisionModel(nn.Module):
         self._check(pixel_values, grids)
         if not grids:
             return []
-        weight = self.vision.patch_embed.proj.weight
-        patches = torch.cat(list(pixel_values)).to(weight.device, weight.dtype)  # [P, 3, p, p]
+        like = self.image_start  # the model's device and dtype (a packed CPU linear has no dense weight to ask)
+        patches = torch.cat(list(pixel_values)).to(like.device, like.dtype)  # [P, 3, p, p]
         feats = self.vision(patches, grids).split([h * w for h, w in grids])  # [h*w, C] each
         merged = [self.aligner.merge(f, h, w) for f, (h, w) in zip(feats, grids)]
         tokens = self.aligner(torch.cat(merged))  # [M, D]
@@ -263,6 +264,28 @@ class DeepseekVisionModel(nn.Module):
             spans.append(torch.cat([self.image_start.to(tokens.dtype)[None], rows,
                                     self.image_end.to(tokens.dtype)[None]]))
         return spans
+
+
+class VisionEncoder:
+    """The encoder stage the LLM states in its contract (common/engine/model_contract.py EncoderModel): an image ->
+    its canvas' patches and span length (the image processor), a batch of them -> their spans' embeddings (one packed
+    call of the tower and aligner). An image's identifier hashes its patches and grid."""
+
+    modality = "image"
+
+    def __init__(self, model: DeepseekVisionModel, processor):
+        self.model, self.processor = model, processor
+        self.placeholder_token_id = processor.image_token_id
+
+    def process(self, item) -> EncoderInput:
+        image = self.processor(item)  # ValueError naming what is wrong with it
+        return EncoderInput((image.pixel_values, image.grid), image.num_tokens,
+                            content_hash(image.pixel_values, *image.grid))
+
+    @torch.inference_mode()
+    def encode(self, data: list) -> list[torch.Tensor]:
+        pixel_values, grids = zip(*data) if data else ((), ())
+        return self.model.encode(list(pixel_values), list(grids))  # [num_tokens_i, D] each
 
 
 def vision_rename(name: str) -> str | None:

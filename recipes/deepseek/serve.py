@@ -2,6 +2,11 @@
 
     bash run.sh --serve [--host 127.0.0.1] [--port 8000] [--api-key K] [--weights DIR] [--config configs/X.yaml]
                         [--max-waiting N] [--drain-timeout S] [--max-consecutive-step-errors N]
+                        [--max-images N] [--max-image-bytes B] [--max-image-pixels P] [--image-fetch-timeout S]
+                        [--allowed-image-domain HOST ...]
+
+Images (a vision checkpoint, as the tiny one is): chat messages take OpenAI's {"type": "image_url", "image_url":
+{"url": data: or http(s) URL}} parts; the flags bound what a request may carry (answered 400 beyond them).
 
 PD disaggregation: `--pd-role prefill` serves /pd/prefill for decode instances (and /v1 as usual); `--pd-role
 decode --pd-bootstrap http://P:PORT [...]` has each request the router pairs with one of those prefill instances
@@ -25,6 +30,7 @@ from common.engine import LLMEngine
 from common.serving import AsyncLLMEngine
 from common.kv_transfer import make_transport
 from common.serving.api_server import build_app
+from common.serving.media_connector import MediaConnector
 from common.serving.pd_decode import DecodeConnector
 from common.serving.pd_prefill import PrefillConnector
 from cli_deepseek import ArgumentParser, add_model_args, check_model_args, fail, load
@@ -42,6 +48,13 @@ def parse_args(argv=None):
     p.add_argument("--max-consecutive-step-errors", type=int, default=3,
                    help="failed engine steps in a row after which the engine stops and /health answers 503 (a failed "
                         "step fails only its own requests)")
+    g = p.add_argument_group("images in chat requests (a vision checkpoint)")
+    g.add_argument("--max-images", type=int, default=8, help="images one request may carry")
+    g.add_argument("--max-image-bytes", type=int, default=20 << 20, help="largest encoded image")
+    g.add_argument("--max-image-pixels", type=int, default=50_000_000, help="largest width x height")
+    g.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds an http(s) image may take")
+    g.add_argument("--allowed-image-domain", action="append", metavar="HOST",
+                   help="a host http(s) image URLs may name (repeat; default: any; data: URLs always)")
     p.add_argument("--pd-role", choices=("prefill", "decode"), help="PD disaggregation: this instance's role")
     p.add_argument("--pd-bootstrap", action="append", default=[], metavar="URL",
                    help="decode role: a prefill instance's base URL (repeat per prefill instance)")
@@ -65,6 +78,13 @@ def parse_args(argv=None):
         p.error(f"--max-waiting must be >= 1, got {a.max_waiting}")
     if a.max_consecutive_step_errors < 1:
         p.error(f"--max-consecutive-step-errors must be >= 1, got {a.max_consecutive_step_errors}")
+    if a.max_images < 0:
+        p.error(f"--max-images must be >= 0, got {a.max_images}")
+    try:
+        a.media = MediaConnector(a.max_image_bytes, a.image_fetch_timeout,
+                                 tuple(a.allowed_image_domain) if a.allowed_image_domain else None, a.max_image_pixels)
+    except ValueError as e:
+        p.error(str(e))
     check_model_args(p, a)
     return a
 
@@ -96,7 +116,8 @@ def main(argv=None) -> int:
         par.destroy_parallel()
         return 0
     app = build_app(async_engine, tokenizer, a.served_model_name or Path(path).resolve().name, api_key=a.api_key,
-                    chat_format=a.family.chat_format() if a.family.chat_format else None)
+                    chat_format=a.family.chat_format() if a.family.chat_format else None, media=a.media,
+                    max_images=a.max_images)
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
                                            timeout_graceful_shutdown=a.drain_timeout))
     # uvicorn re-raises the signal it shut down on; a no-op handler then makes a clean exit 0

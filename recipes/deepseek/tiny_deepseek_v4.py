@@ -1,14 +1,18 @@
 """Write a tiny random DeepSeek-V4 checkpoint in the publisher's on-disk format (fixed seed).
 
-Same layout as the published DeepSeek-V4-Flash: HF config.json, publisher tensor names, FP8 block-quantized
-linears with `.scale`, MXFP4 routed experts, a tokenizer (no chat template, as published: encoding_deepseek_v4 writes the prompts). Every layer kind is present
-(sliding, CSA, HCA) with small compress rates, and both MoE kinds (hash, top-k).
+Same layout as the published DeepSeek-V4-Flash-Vision-Exp: HF config.json, publisher tensor names, FP8
+block-quantized linears with `.scale`, MXFP4 routed experts, a tokenizer with `<｜deepseek_image｜>` (no chat
+template, as published: encoding_deepseek_v4 writes the prompts). Every layer kind is present (sliding, CSA, HCA)
+with small compress rates, and both MoE kinds (hash, top-k). The vision part (a small tower: the publisher's
+`vision.*`, `aligner.*`, `image_start` / `image_end` / `image_newline`, every layer's `ffn.gate.bias_vl`, the
+`vision_config` fields) is written unless vision=False; the LLM's tensors are the same either way.
 
     python recipes/deepseek/tiny_deepseek_v4.py weights/deepseek-v4-tiny
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -18,12 +22,16 @@ import torch
 from common.loader import quantize_fp8_block, quantize_mxfp4, save_checkpoint, write_tokenizer
 from config_deepseek_v4 import CSA, HCA, SLIDING, ModelArgs
 from encoding_deepseek_v4 import encode_messages
+from image_processor_deepseek import IMAGE_TOKEN
 from modeling_deepseek_v4 import DeepseekV4
+from modeling_deepseek_vision import VisionArgs, random_vision_tensors
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIAL_TOKENS = {"bos": BOS, "eos": EOS,  # ids 0, 1, ... in this order (config bos/eos ids)
                   "user": "<｜User｜>", "assistant": "<｜Assistant｜>",
                   "think": "<think>", "end_think": "</think>"}
+# the image placeholder takes the vocabulary's last id (config `image_token_id`), so every other token keeps the id
+# it had before the writer wrote vision checkpoints
 # The publisher ships no chat template: prompts come from encoding_deepseek_v4 (its Python encoding rules).
 CHAT_TEMPLATE = ""
 FORMAT_CORPUS_REPEATS = 4  # the format's fixed text weighed like a real vocabulary's frequent strings
@@ -56,11 +64,16 @@ TINY_CONFIG = dict(
     index_topk=4, num_nextn_predict_layers=1, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
     tie_word_embeddings=False, torch_dtype="bfloat16",
 )
+# A small vision tower (the publisher's field names; the real one: 32 layers, 1024 wide, 16 heads, 2816, max 1024
+# tokens, min_pixels 384 * 384): an image costs at most 112 tokens, a small one 8 (a 6 x 6 patch canvas)
+TINY_VISION_CONFIG = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                          patch_size=14, rope_theta=10000.0, downsample_ratio=3, max_num_tokens=112,
+                          min_pixels=84 * 84, max_wh_ratio=None, rms_norm_eps=1e-6)
 # Publisher's quantization: FP8 (128x128 blocks) for attention and shared-expert linears, MXFP4 routed experts;
 # compressor / indexer gating projections, router, embeddings and head stay high precision.
 _FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123])\.weight$")
 _MXFP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
-_FP32 = re.compile(r"(hc_|\.ape$|attn_sink$|norm\.weight$|^norm|gate\.bias$)")  # kept fp32 by the publisher
+_FP32 = re.compile(r"(hc_|\.ape$|attn_sink$|norm\d?\.weight$|^norm|gate\.bias(_vl)?$)")  # kept fp32 by the publisher
 
 
 HEAD_SCALE = 8.0  # the random lm head scaled up so greedy choices are clear (not near-ties)
@@ -82,11 +95,16 @@ def random_tensor(name: str, t: torch.Tensor, g: torch.Generator, num_experts: i
 
 
 def random_state(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
-    """Publisher-named fp32 tensors (random_tensor's values)."""
+    """Publisher-named fp32 tensors (random_tensor's values). The vision tensors (args.has_vision) come from
+    generators of their own: the LLM's are the same with or without them."""
     g = torch.Generator().manual_seed(seed)
-    model = DeepseekV4(args, mtp=True)  # with num_nextn_predict_layers MTP blocks (`mtp.<i>.*`), none for 0
-    return publisher_names({name: random_tensor(name, t, g, args.n_routed_experts)
-                            for name, t in model.state_dict().items()})
+    text = dataclasses.replace(args, vision_config=None)
+    model = DeepseekV4(text, mtp=True)  # with num_nextn_predict_layers MTP blocks (`mtp.<i>.*`), none for 0
+    out = publisher_names({name: random_tensor(name, t, g, args.n_routed_experts)
+                           for name, t in model.state_dict().items()})
+    if args.has_vision:
+        out |= vision_state(args, seed)
+    return out
 
 
 def publisher_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -107,6 +125,17 @@ def publisher_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def vision_state(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
+    """The vision tower, aligner and span vectors (modeling_deepseek_vision.random_vision_tensors) and every main
+    layer's router bias for image tokens `ffn.gate.bias_vl`, fp32, from generators seeded apart from the LLM's."""
+    vision = VisionArgs.from_config({"vision_config": args.vision_config, "hidden_size": args.hidden_size})
+    out = random_vision_tensors(vision, seed + 1, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed + 2)
+    for i in range(args.num_hidden_layers):  # spread wide enough that image tokens pick other experts than text
+        out[f"layers.{i}.ffn.gate.bias_vl"] = 0.5 * torch.randn(args.n_routed_experts, generator=g)
+    return out
+
+
 def quantize(state: dict[str, torch.Tensor], fp8_mxfp4: bool = True) -> dict[str, torch.Tensor]:
     """The publisher's storage: FP8 / MXFP4 where they use it (if fp8_mxfp4), fp32 where they keep it, else bf16."""
     out = {}
@@ -124,7 +153,7 @@ def quantize(state: dict[str, torch.Tensor], fp8_mxfp4: bool = True) -> dict[str
 
 # Bumped when what the writer writes changes (the tokenizer and its chat format, the MTP layer, ...): a tiny
 # checkpoint written by an older revision is rewritten on next use (is_current).
-TINY_REVISION = 2
+TINY_REVISION = 3
 REVISION_FILE = "tiny_revision.txt"
 
 
@@ -135,18 +164,23 @@ def is_current(path) -> bool:
 
 
 def write_tiny_checkpoint(path, seed: int = 0, quantized: bool | str = True, max_shard_bytes: int | None = 256 * 1024,
-                          **overrides) -> Path:
+                          vision: bool = True, **overrides) -> Path:
     """Write config.json, safetensors shards (+ index) and the tokenizer into `path`; returns the path.
-    quantized: True = FP8 + MXFP4 as published, "bf16" = bf16 storage, False = fp32 (exact tests)."""
+    quantized: True = FP8 + MXFP4 as published, "bf16" = bf16 storage, False = fp32 (exact tests). vision: the
+    Vision-Exp layout (the vision tower, `bias_vl`, `vision_config`, `image_token_id`); False: V4-Flash's, text only.
+    overrides: config.json fields (`vision_config` a dict merged into the tiny one's)."""
     path = Path(path)
-    config = {**TINY_CONFIG, **overrides}
+    vision_config = {**TINY_VISION_CONFIG, **overrides.pop("vision_config", {})}
+    vocab_size = overrides.get("vocab_size", TINY_CONFIG["vocab_size"])
+    config = {**TINY_CONFIG, **({"vision_config": vision_config, "image_token_id": vocab_size - 1} if vision else {}),
+              **overrides}
     args = ModelArgs.from_config(config)
     state = random_state(args, seed)
     if quantized:
         state = quantize(state, fp8_mxfp4=quantized is True)
     save_checkpoint(path, state, config, max_shard_bytes=max_shard_bytes)
     write_tokenizer(path, vocab_size=args.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE,
-                    extra_corpus=format_corpus())
+                    extra_corpus=format_corpus(), last_special_tokens=(IMAGE_TOKEN,))
     (path / REVISION_FILE).write_text(f"{TINY_REVISION}\n")
     return path
 
@@ -156,6 +190,7 @@ if __name__ == "__main__":
     p.add_argument("out", type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-quant", action="store_true", help="write bf16/fp32 instead of FP8 + MXFP4")
+    p.add_argument("--no-vision", action="store_true", help="V4-Flash's text-only layout (no vision tower)")
     a = p.parse_args()
-    write_tiny_checkpoint(a.out, seed=a.seed, quantized=not a.no_quant)
+    write_tiny_checkpoint(a.out, seed=a.seed, quantized=not a.no_quant, vision=not a.no_vision)
     print(f"wrote {a.out}", file=sys.stderr)

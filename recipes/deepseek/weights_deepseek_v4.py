@@ -21,8 +21,11 @@ from common.offload import (DynamicPlacement, ExpertOffload, FrequencyPlacement,
                             MoEOffloadConfig, MXFP4Experts, ResidentExperts, TorchHostExperts, dequant_expert)
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import DeepseekV4
+from modeling_deepseek_vision import vision_rename
 
 MTP = r"^(model\.)?mtp\."  # the MTP blocks: loaded with load_model(mtp=True), for speculative decoding
+MTP_BIAS_VL = r"^(model\.)?mtp\.\d+\.ffn\.gate\.bias_vl$"  # the drafts route image tokens as text: not read
+VISION = "vision_model."  # where the vision tower, aligner and span vectors sit in DeepseekV4
 
 # transformers name (without "model.") -> publisher name; applied in order, each at most once
 _FROM_TRANSFORMERS = [
@@ -75,6 +78,8 @@ def rename(name: str, transformers_layout: bool, experts: tuple[int, int, int] |
     experts = (this rank's index, the number of ranks, experts per rank) of the expert-parallel group; None: all."""
     if transformers_layout:
         name = transformers_to_publisher(name)
+    if vision_rename(name) is not None:
+        return VISION + name, None
     if m := _EXPERT.match(name):
         stacked, part = ("w2", None) if m[3] == "w2" else ("w13", 0 if m[3] == "w1" else 1)
         local = int(m[2]) - (0 if experts is None else experts[0] * experts[2])
@@ -220,7 +225,7 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel
         if name.endswith(PACKED):
             tensor.weight_loader = _packed_loader
     layout = any(n.startswith("model.") for n in ckpt.names())
-    ignore = () if mtp else (MTP,)
+    ignore = (MTP_BIAS_VL,) if mtp else (MTP,)
     if offload is None:
         moe = model.layers[0].ffn
         experts = (moe.ep_rank, moe.ep_size, moe.experts.w13.shape[0])

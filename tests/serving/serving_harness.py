@@ -28,12 +28,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(model, tokenizer, api_key=API_KEY, max_waiting=256, kv_connector=None, chat_format=None,
-                   **engine_kwargs):
+                   media=None, max_images=8, **engine_kwargs):
     """Yields (base_url, engine); the server and its engine thread stop on exit. chat_format: DeepSeek-V4's unless
-    given (the tiny model is a DeepSeek-V4)."""
+    given (the tiny model is a DeepSeek-V4); media, max_images: build_app's image limits."""
     engine = LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs), kv_connector=kv_connector)
     app = build_app(AsyncLLMEngine(engine, max_waiting=max_waiting), tokenizer, MODEL, api_key=api_key,
-                    chat_format=chat_format or DeepseekV4ChatFormat())
+                    chat_format=chat_format or DeepseekV4ChatFormat(), media=media, max_images=max_images)
     with serve_app(app, engine) as served:
         yield served
 
@@ -84,6 +84,9 @@ class RaisesOnToken(nn.Module):
     def __init__(self, model, token: int):
         super().__init__()
         self.model, self.token, self.args = model, token, model.args
+
+    def engine_contract(self):
+        return self.model.engine_contract()
 
     def forward(self, batch):
         if bool((batch.input_ids == self.token).any()):

@@ -1,6 +1,6 @@
 """Every request field is honoured or refused with a 400 naming it, never accepted and ignored: unknown fields,
-the OpenAI fields this server does not honour (unless they carry their no-op value), non-text content parts,
-inconsistent tool-calling fields, what the chat format cannot render; max_tokens 0 only with echo."""
+the OpenAI fields this server does not honour (unless they carry their no-op value), content parts other than text
+and image_url, inconsistent tool-calling fields, what the chat format cannot render; max_tokens 0 only with echo."""
 import json
 
 import openai
@@ -55,8 +55,11 @@ REFUSED = [
     (CHAT, {"messages": MSGS, "service_tier": "flex"}, "service_tier", "not supported by this server"),
     (CHAT, {"messages": MSGS, "metadata": {"k": 1}}, "metadata.k", "string"),
     (CHAT, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs", "logprobs: true"),
-    (CHAT, msg([{"type": "text", "text": "look:"}, {"type": "image_url", "image_url": {"url": "data:,"}}]),
-     "messages.0.content.1", "'image_url' content parts are not supported by this server"),
+    (CHAT, msg([{"type": "text", "text": "look:"}, {"type": "image_url", "image_url": {"url": "data:,",
+                                                                            "detail": "low"}}]),
+     "messages.0.content.1.image_url.detail", 'only "auto" is accepted'),
+    (CHAT, msg([{"type": "image_url", "image_url": {"url": "data:,", "size": 2}}]),
+     "messages.0.content.0.image_url.size", "unrecognized"),
     (CHAT, msg([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]), "messages.0.content.0",
      "not supported by this server"),
     (CHAT, msg([{"type": "file", "file": {"file_id": "f"}}]), "messages.0.content.0", "not supported"),

@@ -381,3 +381,40 @@ def test_tiny_tokenizer_reproduces_the_prompt(tmp_path):
     assert tok.decode(ids, skip_special_tokens=False) == prompt
     for special in (B, E, U, A, "<think>", "</think>"):
         assert ids.count(tok.convert_tokens_to_ids(special)) == prompt.count(special) > 0
+
+
+IMG = "<｜deepseek_image｜>"
+
+
+def image(url):
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_image_parts_worked_examples():
+    """DeepSeek-V4-Flash-Vision-Exp's rule: an image part is a text part holding one placeholder, joined with the
+    message's other parts by a blank line; the image parts come back in prompt order."""
+    images = []
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image("u1")]}]
+    assert encode_messages(msgs, images=images) == f"{B}{U}What is this?\n\n{IMG}{A}</think>"
+    assert images == [image("u1")]
+    images = []
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    call2 = {**call, "id": "c2"}
+    msgs = [{"role": "user", "content": [image("a"), image("b"), {"type": "text", "text": "same?"}]},
+            {"role": "assistant", "content": "", "tool_calls": [call, call2]},
+            {"role": "tool", "tool_call_id": "c2", "content": [image("d")]},  # results go in call order: c1 first
+            {"role": "tool", "tool_call_id": "c1", "content": [image("c")]}]
+    text = encode_messages(msgs, images=images)
+    assert text.startswith(f"{B}{U}{IMG}\n\n{IMG}\n\nsame?{A}</think>")
+    assert text.endswith(f"{U}<tool_result>{IMG}</tool_result>\n\n<tool_result>{IMG}</tool_result>{A}</think>")
+    assert [p["image_url"]["url"] for p in images] == ["a", "b", "c", "d"]
+
+
+def test_image_parts_refusals():
+    with pytest.raises(ValueError, match="holds the image placeholder"):
+        encode_messages([{"role": "user", "content": f"look {IMG}"}], images=[])
+    with pytest.raises(ValueError, match=r"content\[0\] holds the image placeholder"):
+        encode_chat([{"role": "user", "content": [{"type": "text", "text": IMG}]}], images=[])
+    with pytest.raises(ValueError, match=r"messages\[1\].content\[0\]: only text parts"):  # not in assistant turns
+        encode_messages([{"role": "user", "content": "x"}, {"role": "assistant", "content": [image("a")]},
+                         {"role": "user", "content": "y"}], images=[])

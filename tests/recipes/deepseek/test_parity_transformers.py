@@ -22,7 +22,9 @@ def checkpoints(tmp_path_factory):
     """The publisher's layout (written by the recipe; transformers converts it on load), the transformers
     layout (its module names, as in its state_dict) and what transformers' save_pretrained writes back."""
     root = tmp_path_factory.mktemp("dsv4")
-    publisher = write_tiny_checkpoint(root / "publisher", seed=3, quantized=False, index_topk=64)
+    publisher = write_tiny_checkpoint(root / "publisher", seed=3, quantized=False, index_topk=64,
+                                      vision=False)  # transformers has no vision tower
+
     reference = DeepseekV4ForCausalLM.from_pretrained(publisher, dtype=torch.float32).eval()
     save_checkpoint(root / "transformers", dict(reference.state_dict()), Checkpoint(publisher).config)
     reference.save_pretrained(root / "save_pretrained")
