@@ -1,11 +1,18 @@
 """The DeepSeek-V4 vision tower, aligner and image processor: parity with timm's deepseek_vit_412m_enc on the same
 random weights, packed == one image at a time, the NPU path (emulated), the processor's plan worked out by hand from
 upstream's rules, and its refusals."""
+import dataclasses
+import importlib.util
 import io
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
 
 from common import ops
 from common.loader import save_checkpoint
@@ -69,24 +76,27 @@ def test_loads_only_vision_tensors(model, checkpoint):
     torch.testing.assert_close(model.image_newline.data, checkpoint[1]["image_newline"])
 
 
-def test_matches_timm_deepseek_vit_enc(model, checkpoint):
-    try:
-        import timm
-        from timm.models.deepseek_vit import checkpoint_filter_fn_encoder
-    except (ImportError, RuntimeError) as e:  # timm 1.0.31 imports torchvision at `import timm`
-        pytest.skip(f"timm does not import here: {type(e).__name__}: {e}")
-    reference = timm.create_model("deepseek_vit_412m_enc", pretrained=False, embed_dim=TINY.hidden_size,
-                                  depth=TINY.num_hidden_layers, num_heads=TINY.num_attention_heads,
-                                  mlp_ratio=TINY.intermediate_size / TINY.hidden_size,
-                                  out_features=TINY.out_hidden_size).eval()
-    reference.load_state_dict(checkpoint_filter_fn_encoder(checkpoint[1], reference))
+def test_matches_timm_deepseek_vit_enc(model, checkpoint, tmp_path):
+    """timm's deepseek_vit_412m_enc on the same tensors, in a process of its own (timm_deepseek_vit.py: where
+    torchvision cannot import, `import timm` gets a stand-in for the torchvision names it reads at import)."""
+    if importlib.util.find_spec("timm") is None:
+        pytest.skip("timm is not installed (requirements-nodeps.txt installs it)")
     images, patches = images_and_patches(GRIDS)
+    save_file({k: v.contiguous() for k, v in checkpoint[1].items()}, tmp_path / "tensors.safetensors")
+    (tmp_path / "dims.json").write_text(json.dumps(dataclasses.asdict(TINY)))
+    save_file({str(i): x for i, x in enumerate(images)}, tmp_path / "images.safetensors")
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("timm_deepseek_vit.py"))]
+                         + [str(tmp_path / f) for f in ("tensors.safetensors", "dims.json", "images.safetensors",
+                                                        "out.safetensors")], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    reference = load_file(tmp_path / "out.safetensors")
     with torch.no_grad():
         got = model.image_features(patches, GRIDS)
-        for x, y, (h, w) in zip(images, got, GRIDS):
-            want = reference(x)[0]  # [ceil(h/3) * ceil(w/3), D]
-            assert y.shape == want.shape == (-(-h // 3) * -(-w // 3), TINY.out_hidden_size)
-            torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
+    for i, (y, (h, w)) in enumerate(zip(got, GRIDS)):
+        want = reference[str(i)]
+        assert y.shape == want.shape == (-(-h // 3) * -(-w // 3), TINY.out_hidden_size)
+        torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
 
 
 def test_packed_equals_one_image_at_a_time(model):
