@@ -1,9 +1,10 @@
-"""One tiny fp32 DeepSeek-V4 checkpoint per session; a real uvicorn serving it per test module."""
+"""One tiny fp32 DeepSeek-V4 checkpoint per session, loaded once; every engine gets a model of its own (an engine owns
+its model's caches: a second engine on the same model would take them); a real uvicorn serving it per module."""
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from serving_harness import running_server
+from serving_harness import own_model, running_server
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
@@ -14,12 +15,18 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def model_and_tokenizer(checkpoint):
+def loaded_model(checkpoint):
+    """The checkpoint's model and tokenizer, loaded once: never given to an engine itself (see own_model)."""
     return load_model(checkpoint, torch.float32), AutoTokenizer.from_pretrained(checkpoint)
 
 
+@pytest.fixture
+def model_and_tokenizer(loaded_model):
+    """A model of this test's own (for one engine) and the tokenizer."""
+    return own_model(loaded_model)
+
+
 @pytest.fixture(scope="module")
-def server(model_and_tokenizer):
-    model, tokenizer = model_and_tokenizer
-    with running_server(model, tokenizer, max_num_seqs=16) as (url, engine):
+def server(loaded_model):
+    with running_server(*own_model(loaded_model), max_num_seqs=16) as (url, engine):
         yield url, engine

@@ -1,5 +1,6 @@
 """A real uvicorn on 127.0.0.1 (a thread of this process) serving an engine; helpers the serving tests share."""
 import contextlib
+import copy
 import email.message
 import json
 import socket
@@ -18,6 +19,12 @@ from chat_format_deepseek_v4 import DeepseekV4ChatFormat
 
 MODEL = "tiny-deepseek-v4"
 API_KEY = "test-key"
+
+
+def own_model(loaded_model):
+    """(a copy of a loaded model for one engine, the tokenizer): an engine owns its model's caches, so engines
+    never share a model."""
+    return copy.deepcopy(loaded_model[0]), loaded_model[1]
 
 
 def free_port() -> int:

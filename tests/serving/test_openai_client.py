@@ -5,7 +5,7 @@ from openai import OpenAI
 from common.engine import LLM, SamplingParams
 from encoding_deepseek_v4 import encode_chat, parse_completion
 
-from serving_harness import API_KEY, MODEL, http
+from serving_harness import API_KEY, MODEL, http, own_model
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4"]
 MAX_TOKENS = 8
@@ -17,9 +17,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def offline(model_and_tokenizer):
-    model, tokenizer = model_and_tokenizer
-    return LLM(model, tokenizer)
+def offline(loaded_model):
+    return LLM(*own_model(loaded_model))
 
 
 def greedy(max_tokens=MAX_TOKENS, **kw):

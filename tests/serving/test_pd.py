@@ -17,7 +17,7 @@ from common.serving.pd_prefill import PrefillConnector
 from common.serving.router import build_router
 from weights_deepseek_v4 import load_model
 
-from serving_harness import API_KEY, MODEL, free_port, http, running_server, serve_app, wait_until
+from serving_harness import API_KEY, MODEL, free_port, http, own_model, running_server, serve_app, wait_until
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=24, block_size=16)
 P_ENGINE = {**ENGINE, "max_num_batched_tokens": 8}  # P prefills in chunks of 8 (and slowly enough to be interrupted)
@@ -42,9 +42,8 @@ def pd(checkpoint, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def colocated_server(model_and_tokenizer):
-    model, tokenizer = model_and_tokenizer
-    with running_server(model, tokenizer, **ENGINE) as served:
+def colocated_server(loaded_model):
+    with running_server(*own_model(loaded_model), **ENGINE) as served:
         yield served
 
 

@@ -22,7 +22,7 @@ from common.serving.pd_prefill import PrefillConnector
 from common.serving.router import build_router
 from weights_deepseek_v4 import load_model
 
-from serving_harness import API_KEY, MODEL, http, running_server, serve_app, wait_until
+from serving_harness import API_KEY, MODEL, http, own_model, running_server, serve_app, wait_until
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
 HELD_S = 1.0  # how long D is watched for releasing blocks P could still write
@@ -58,8 +58,8 @@ def pd(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def colocated(model_and_tokenizer):
-    with running_server(*model_and_tokenizer, **ENGINE) as (url, _):
+def colocated(loaded_model):
+    with running_server(*own_model(loaded_model), **ENGINE) as (url, _):
         yield OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 

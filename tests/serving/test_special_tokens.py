@@ -20,8 +20,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_and_tokenizer):
-    return model_and_tokenizer[1]
+def tokenizer(loaded_model):
+    return loaded_model[1]
 
 
 @pytest.fixture(scope="module")

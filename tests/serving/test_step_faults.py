@@ -7,14 +7,14 @@ import pytest
 from openai import OpenAI
 
 from common.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from serving_harness import API_KEY, MODEL, RaisesOnToken, http, running_server, wait_until
+from serving_harness import API_KEY, MODEL, RaisesOnToken, http, own_model, running_server, wait_until
 
 POISON = 7  # a token id the test model refuses
 
 
 @pytest.fixture(scope="module")
-def faulty(model_and_tokenizer):
-    model, tokenizer = model_and_tokenizer
+def faulty(loaded_model):
+    model, tokenizer = own_model(loaded_model)
     return RaisesOnToken(model, POISON), tokenizer
 
 

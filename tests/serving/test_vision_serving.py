@@ -25,7 +25,7 @@ from common.serving.pd_prefill import PrefillConnector
 from common.serving.router import build_router
 from weights_deepseek_v4 import load_model
 
-from serving_harness import API_KEY, MODEL, http, running_server, serve_app, wait_until
+from serving_harness import API_KEY, MODEL, http, own_model, running_server, serve_app, wait_until
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_num_encoder_input_tokens=128, block_size=16)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -80,17 +80,15 @@ MEDIA = MediaConnector(max_bytes=200_000, timeout_s=5, max_pixels=1_000_000)
 
 
 @pytest.fixture(scope="module")
-def server(model_and_tokenizer):
-    model, tokenizer = model_and_tokenizer
-    with running_server(model, tokenizer, media=MEDIA, max_images=3, **ENGINE) as served:
+def server(loaded_model):
+    with running_server(*own_model(loaded_model), media=MEDIA, max_images=3, **ENGINE) as served:
         yield served
 
 
 @pytest.fixture(scope="module")
-def offline_model(checkpoint, model_and_tokenizer):
-    """A model of its own for the offline engine: an engine allocates its model's caches, and the servers' engines
-    must keep theirs."""
-    return load_model(checkpoint, torch.float32), model_and_tokenizer[1]
+def offline_model(loaded_model):
+    """A model of its own for the offline engine (the servers' engines keep theirs)."""
+    return own_model(loaded_model)
 
 
 def openai_client(url) -> OpenAI:
@@ -208,8 +206,8 @@ def test_a_text_only_model_refuses_images(tmp_path, image_server):
 
 
 @pytest.fixture(scope="module")
-def pd(checkpoint, model_and_tokenizer):
-    _, tokenizer = model_and_tokenizer
+def pd(checkpoint, loaded_model):
+    _, tokenizer = loaded_model
     prefill = PrefillConnector(MooncakeTransport())
     with running_server(load_model(checkpoint, torch.float32), tokenizer, kv_connector=prefill,
                         **{**ENGINE, "max_num_batched_tokens": 8}) as (p_url, p):
