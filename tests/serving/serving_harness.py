@@ -109,5 +109,8 @@ class RaisesOnToken(nn.Module):
     def allocate_caches(self, num_blocks, block_size):
         return self.model.allocate_caches(num_blocks, block_size)
 
+    def cache_tensors(self):
+        return self.model.cache_tensors()
+
     def compute_logits(self, hidden):
         return self.model.compute_logits(hidden)
