@@ -116,7 +116,9 @@ SINGLE_DEVICES = ("a3", "910b", "950dt", "h200")  # the MoE-offload table's devi
 GRAPH_HEADROOM_GIB = 0.27  # upstream's measured graph memory on one A3 die (single-NPU offload recipe, K=32)
 MXFP4_BYTES_PER_WEIGHT = 17 / 32  # 32 e2m1 nibbles (16 bytes) + one e8m0 scale byte
 
-PARTS = ("attention", "routed experts", "shared expert + router", "embedding", "LM head", "mHC / norms")
+PARTS = ("attention", "routed experts", "shared expert + router", "embedding", "LM head", "mHC / norms",
+         "vision tower + aligner")
+VISION_PART = PARTS[-1]  # zero for a text-only checkpoint (V4-Flash), the report leaves the row out
 SCHEMES = ("W8A8", "W4A8")  # after the preset's dtype
 # What upstream's converter quantizes (hicann/cann-recipes-infer models/deepseek_v4/utils/convert_model.py,
 # generate_quant_layers and int_weight_quant, --quant_type w8a8-int / w4a8-int): 8-bit per-channel weights on the
@@ -128,6 +130,8 @@ _ROUTED = re.compile(r"\.ffn\.experts\.w(13|2)$")
 
 
 def part_of(name: str) -> str:
+    if name.startswith("vision_model."):  # Vision-Exp: the ViT, the aligner and the image span vectors
+        return VISION_PART
     if name.startswith("embed."):
         return "embedding"
     if name.startswith("head."):
@@ -307,6 +311,8 @@ def report(p: Plan, preset_name: str, engine: dict, device: Device | None, reser
              "per rank: rank 0's slice (every rank holds the same)",
              "", f"{'weights per rank':<24}" + "".join(f"{h:>14}" for h in heads)]
     for part in PARTS:
+        if part == VISION_PART and not p.weights[part]["dtype"]:
+            continue
         lines.append(f"  {part:<22}" + "".join(f"{gib(p.weights[part][c]):>14}" for c in cols))
     lines.append(f"  {'total':<22}" + "".join(f"{gib(p.total(c)):>14}" for c in cols))
     lines += ["", f"KV cache per token, per rank (block_size {p.block_size}, {dtype_name}): not split by attention DP "

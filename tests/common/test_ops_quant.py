@@ -120,9 +120,15 @@ def test_int8_matmul_exact(m, k, n):
         assert got.dtype == torch.int32 and got.shape == (m, n) and torch.equal(got.long(), want)
 
 
+def cpu_flags() -> set[str]:
+    """The x86 feature flags /proc/cpuinfo lists (empty elsewhere)."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    return next((set(l.split(":", 1)[1].split()) for l in lines if l.startswith("flags")), set())
+
+
 def _vnni():
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return any(f in flags.split() for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def test_cpu_int8_kernel_is_int_mm_where_oneDNN_has_vnni():
@@ -132,8 +138,8 @@ def test_cpu_int8_kernel_is_int_mm_where_oneDNN_has_vnni():
 
 
 def test_int8_matmul_exact_without_vnni():
-    """oneDNN limited to AVX2 (no VNNI) sums int8 through saturating int16 pairs: the probe must catch it, and the
-    fp32 sums (int8_matmul, int8_group_matmul) run instead."""
+    """oneDNN limited to AVX2 (no VNNI) may sum int8 through saturating int16 pairs: int8_matmul and
+    int8_group_matmul stay exact either way, and the probe picks _int_mm only where the raw op is exact."""
     code = (
         "import torch\n"
         "from common.ops.reference import quant as Q\n"
@@ -152,9 +158,11 @@ def test_int8_matmul_exact_without_vnni():
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    if torch.backends.mkldnn.is_available() and Path("/proc/cpuinfo").exists() and "avx2" in Path(
-            "/proc/cpuinfo").read_text():
-        assert done.stdout.split() == ["False", "fp32"]  # x86 oneDNN: _int_mm saturates there, the fp32 sums run
+    raw_exact, kernel = done.stdout.split()
+    # the probe agrees with the raw op: whether oneDNN's AVX2 int8 kernels saturate (vpmaddubsw's int16 pairs) or
+    # sum exactly depends on the oneDNN build and the CPU, so it is measured, never assumed
+    assert (raw_exact, kernel) in {("True", "_int_mm"), ("False", "fp32")}
+
 
 
 # ---------------------------------------------------------------- quant_linear

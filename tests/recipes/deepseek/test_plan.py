@@ -1,6 +1,7 @@
 """plan.py (deployment planning on the meta device) against models actually built and loaded on the CPU: per-rank
 weight bytes equal rank 0's slice's state_dict, KV bytes per token equal cache_bytes_per_block / block_size, the
 A3 preset prints its table, and bad options give one line and exit code 2."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -43,15 +44,20 @@ def test_weight_bytes_equal_rank0_slice_built_on_cpu(layout, dtype):
     assert p.total("dtype") == sum(t.nbytes for t in state.values())
     for part in plan.PARTS:  # and part by part
         assert p.weights[part]["dtype"] == sum(t.nbytes for n, t in state.items() if plan.part_of(n) == part), part
-    assert all(p.weights[part]["dtype"] > 0 for part in plan.PARTS)
+    assert all(p.weights[part]["dtype"] > 0 for part in plan.PARTS if part != plan.VISION_PART)
+    assert p.weights[plan.VISION_PART]["dtype"] == 0  # TINY_CONFIG is text only
 
 
 def test_weight_bytes_equal_a_real_load_single_process(tmp_path):
     path = write_tiny_checkpoint(tmp_path / "ckpt", seed=1)  # the publisher's format (FP8 + MXFP4), dequantized
+    cfg = json.loads((path / "config.json").read_text())  # Vision-Exp: the vision tower and aligner are counted
     for dtype in (torch.bfloat16, torch.float32):
         model = load_model(path, dtype)
-        held = sum(t.nbytes for t in model.state_dict().values())
-        assert tiny_plan(LLMParallelLayout(), dtype).total("dtype") == held
+        state = model.state_dict()
+        p = plan.plan(cfg, "tiny", "test", LLMParallelLayout(), dtype, ENGINE)[0]
+        assert p.total("dtype") == sum(t.nbytes for t in state.values())
+        vision = sum(t.nbytes for n, t in state.items() if n.startswith("vision_model."))
+        assert p.weights[plan.VISION_PART]["dtype"] == vision > 0
 
 
 def test_quantized_columns_follow_upstreams_converter():
@@ -166,7 +172,7 @@ def test_offload_plan_equals_an_offloaded_load(tmp_path):
     bytes its host experts' MXFP4 tensors."""
     from common.offload import MoEOffloadConfig
 
-    path = write_tiny_checkpoint(tmp_path / "ckpt", seed=1)
+    path = write_tiny_checkpoint(tmp_path / "ckpt", seed=1, vision=False)
     model = load_model(path, torch.float32, offload=MoEOffloadConfig(3))
     p = plan.plan(TINY_CONFIG, "tiny", "test", LLMParallelLayout(), torch.float32, ENGINE, offload_slots=3)[0]
     assert p.total("dtype") == sum(t.nbytes for t in model.state_dict().values())
