@@ -183,6 +183,24 @@ def prefix_for_unrecorded(placement, mtp_layers, num_experts: int):
     return DynamicPlacement(placement.num_slots, freq) if isinstance(placement, DynamicPlacement) else freq
 
 
+def mark_packed(model: DeepseekV4) -> None:
+    """Stacked / packed parameters are filled slice by slice (their `weight_loader`)."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith(PACKED):
+            tensor.weight_loader = _packed_loader
+
+
+def load_into(model: DeepseekV4, ckpt: Checkpoint, dtype: torch.dtype, mtp: bool = False) -> None:
+    """Fill a built DeepseekV4 (every routed expert resident) from a checkpoint: either layout, FP8 / MXFP4
+    dequantized to `dtype`, only the slices this rank holds read; the `mtp.*` tensors only with mtp. What
+    load_model does once it has built the model, and what a model another framework builds (vLLM's) reads."""
+    mark_packed(model)
+    layout = any(n.startswith("model.") for n in ckpt.names())
+    moe = model.layers[0].ffn
+    experts = (moe.ep_rank, moe.ep_size, moe.experts.w13.shape[0])
+    load_weights(model, ckpt, lambda n: rename(n, layout, experts), dtype=dtype, ignore=() if mtp else (MTP,))
+
+
 def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None, mtp: bool = False,
                offload: MoEOffloadConfig | None = None, max_tokens: int = 256) -> DeepseekV4:
     """Build DeepseekV4 from a checkpoint folder (either layout, FP8 / MXFP4 dequantized on load). With a
@@ -198,17 +216,11 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel
     slots = offload.resident_experts if offload is not None else None
     with torch_default_dtype(dtype), torch.device(device):
         model = DeepseekV4(args, parallel, mtp=mtp, offload_slots=slots)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name.endswith(PACKED):
-            tensor.weight_loader = _packed_loader
-    layout = any(n.startswith("model.") for n in ckpt.names())
-    ignore = () if mtp else (MTP,)
     if offload is None:
-        moe = model.layers[0].ffn
-        experts = (moe.ep_rank, moe.ep_size, moe.experts.w13.shape[0])
-        load_weights(model, ckpt, lambda n: rename(n, layout, experts), dtype=dtype, ignore=ignore)
+        load_into(model, ckpt, dtype, mtp)
     else:
-        if layout:
+        mark_packed(model)
+        if any(n.startswith("model.") for n in ckpt.names()):
             raise CheckpointError(f"{path}: MoE offload reads the publisher's layout (per-expert MXFP4 tensors), "
                                   "not the transformers layout")
         moes = model.moe_layers()
@@ -219,7 +231,8 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel
             resident = ResidentExperts(placement, moes, args.n_routed_experts, device=device)
         except ValueError as e:
             raise ValueError(f"moe_offload placement: {e}") from None
-        load_weights(model, ckpt, lambda n: offload_rename(n, args, resident), dtype=dtype, ignore=ignore)
+        load_weights(model, ckpt, lambda n: offload_rename(n, args, resident), dtype=dtype,
+                     ignore=() if mtp else (MTP,))
         host = build_host_experts(ckpt, args, moes, offload.host_backend, max_tokens)
         model.offload = ExpertOffload(resident, host, {layer: moe.experts for layer, moe in moes.items()},
                                       expert_fetcher(host, ckpt, args), dynamic_layers=range(args.num_hidden_layers))
