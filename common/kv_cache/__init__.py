@@ -2,6 +2,7 @@
 from .block_hash import hash_block, hash_blocks
 from .block_pool import NULL_BLOCK, BlockPool
 from .kv_cache_manager import KVCacheManager, KVCacheStats
-from .spec import CacheGroupSpec
+from .spec import CacheGroupSpec, CacheTensorSpec, check_cache_tensors
 
-__all__ = ["CacheGroupSpec", "BlockPool", "NULL_BLOCK", "KVCacheManager", "KVCacheStats", "hash_block", "hash_blocks"]
+__all__ = ["CacheGroupSpec", "CacheTensorSpec", "BlockPool", "NULL_BLOCK", "KVCacheManager", "KVCacheStats", "hash_block",
+           "hash_blocks", "check_cache_tensors"]

@@ -25,3 +25,39 @@ class CacheGroupSpec:
         if self.sliding_window is None:
             return 0
         return max(0, position - self.sliding_window + 1) // self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class CacheTensorSpec:
+    """One cache tensor of a model, in cache group `group`: rows of `width` elements, one row per `tokens_per_row`
+    token positions (1: a row per token; r: one compressed entry per r tokens), which readers look back at over
+    the last `window` positions (a query at p reads the rows of positions > p - window; None: every row). With
+    blocks of b tokens the tensor is [num_blocks, b // tokens_per_row, 1, width]. `name` is where the model keeps
+    it (its module path and attribute, e.g. "layers.1.attn.compressor.state")."""
+
+    name: str
+    group: str
+    width: int
+    tokens_per_row: int = 1
+    window: int | None = None
+
+    def __post_init__(self):
+        assert self.name and self.group, "a cache tensor needs a name and a group"
+        assert self.width > 0 and self.tokens_per_row > 0, f"{self.name}: width and tokens_per_row must be positive"
+        assert self.window is None or self.window > 0, f"{self.name}: window {self.window} must be positive or None"
+
+    def rows_per_block(self, block_size: int) -> int:
+        if block_size % self.tokens_per_row:
+            raise ValueError(f"{self.name}: a block of {block_size} tokens does not hold whole rows of "
+                             f"{self.tokens_per_row} tokens")
+        return block_size // self.tokens_per_row
+
+
+def check_cache_tensors(specs: list[CacheTensorSpec], tensors: dict) -> None:
+    """ValueError unless `tensors` holds exactly one tensor per spec, by name, each [blocks, rows, 1, width]."""
+    if bad := tensors.keys() ^ {s.name for s in specs}:
+        raise ValueError(f"cache tensors missing or unknown: {sorted(bad)}")
+    for s in specs:
+        t = tensors[s.name]
+        if t.dim() != 4 or t.shape[2] != 1 or t.shape[3] != s.width:
+            raise ValueError(f"cache tensor {s.name} is {tuple(t.shape)}, expected [blocks, rows, 1, {s.width}]")

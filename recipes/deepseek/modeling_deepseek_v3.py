@@ -53,7 +53,7 @@ from common import ops
 from common import parallel as par
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_contract import ModelContract
-from common.kv_cache import CacheGroupSpec
+from common.kv_cache import CacheGroupSpec, CacheTensorSpec, check_cache_tensors
 from config_deepseek_v3 import ModelArgs
 
 LATENT = "latent"  # the one cache group: per token the latent, the rope key (and V3.2's indexer key)
@@ -529,13 +529,30 @@ class DeepseekV3(nn.Module):
         """One full-attention token group: every layer's latent rows (and V3.2's indexer keys), MTP layers too."""
         return [CacheGroupSpec(LATENT, block_size)]
 
+    def cache_tensor_specs(self) -> list[CacheTensorSpec]:
+        """Every cache tensor, in a fixed order: per attention layer (the MTP layers' too) its latent rows [R + Dr],
+        then V3.2's indexer keys [Di]; one row per token, all in the latent group (one block table)."""
+        a, specs = self.args, []
+        layers = [(f"model.layers.{i}", l) for i, l in enumerate(self.model.layers)]
+        for name, layer in layers + [(f"mtp.{i}", l) for i, l in enumerate(self.mtp)]:
+            specs.append(CacheTensorSpec(f"{name}.self_attn.kv_cache", LATENT, a.kv_lora_rank + a.qk_rope_head_dim))
+            if layer.self_attn.indexer is not None:
+                specs.append(CacheTensorSpec(f"{name}.self_attn.indexer.k_cache", LATENT, a.index_head_dim))
+        return specs
+
+    def bind_caches(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Give the model its cache tensors by CacheTensorSpec name, each [num_blocks, block_size, 1, width]:
+        allocate_caches' own, or tensors another block manager owns (vLLM's); all read the latent block table."""
+        specs = self.cache_tensor_specs()
+        check_cache_tensors(specs, tensors)
+        for s in specs:
+            path, attr = s.name.rsplit(".", 1)
+            setattr(self.get_submodule(path), attr, tensors[s.name])
+
     def allocate_caches(self, num_blocks: dict[str, int], block_size: int, dtype=None):
-        a, n = self.args, num_blocks[LATENT]
         like = dict(dtype=dtype or self.embed.weight.dtype, device=self.embed.weight.device)
-        for attn in self.attention_layers():
-            attn.kv_cache = torch.zeros(n, block_size, 1, a.kv_lora_rank + a.qk_rope_head_dim, **like)
-            if attn.indexer is not None:
-                attn.indexer.k_cache = torch.zeros(n, block_size, 1, a.index_head_dim, **like)
+        self.bind_caches({s.name: torch.zeros(num_blocks[LATENT], block_size, 1, s.width, **like)
+                          for s in self.cache_tensor_specs()})
 
     def cache_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Every allocated cache tensor, [num_blocks, ...] each (block i at i * its block bytes), in a fixed order:

