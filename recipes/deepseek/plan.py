@@ -152,6 +152,10 @@ SINGLE_DEVICES = ("a3", "910b", "950dt", "h200")  # the MoE-offload table's devi
 GRAPH_HEADROOM_GIB = 0.27  # upstream's measured graph memory on one A3 die (single-NPU offload recipe, K=32)
 MXFP4_BYTES_PER_WEIGHT = 17 / 32  # 32 e2m1 nibbles (16 bytes) + one e8m0 scale byte
 
+# A tensor's part: the first rule whose pattern its state_dict name matches.
+PART_RULES = (("embedding", r"^embed\."), ("LM head", r"^head\."), ("routed experts", r"\.ffn\.experts\."),
+              ("shared expert + router", r"\.ffn\.(shared_experts|gate)\."), ("attention", r"\.attn\."),
+              ("mHC / norms", ""))  # hc_* (per layer and head), attn_norm / ffn_norm, the final norm
 PARTS = ("attention", "routed experts", "shared expert + router", "embedding", "LM head", "mHC / norms")
 SCHEMES = ("W8A8", "W4A8")  # after the preset's dtype
 # What upstream's converter quantizes (hicann/cann-recipes-infer models/deepseek_v4/utils/convert_model.py,
@@ -163,18 +167,8 @@ _INT8 = re.compile(r"(\.attn\.(wq_b|wo_b)\.weight|\.attn\.indexer\.wq_b\.weight|
 _ROUTED = re.compile(r"\.ffn\.experts\.w(13|2)$")
 
 
-def part_of(name: str) -> str:
-    if name.startswith("embed."):
-        return "embedding"
-    if name.startswith("head."):
-        return "LM head"
-    if ".ffn.experts." in name:
-        return "routed experts"
-    if ".ffn.shared_experts." in name or ".ffn.gate." in name:
-        return "shared expert + router"
-    if ".attn." in name:
-        return "attention"
-    return "mHC / norms"  # hc_* (per layer and head), attn_norm / ffn_norm, the final norm
+def part_of(name: str, rules=PART_RULES) -> str:
+    return next(part for part, pattern in rules if re.search(pattern, name))
 
 
 def quantized_bytes(name: str, t: torch.Tensor, scheme: str) -> int:
@@ -211,24 +205,14 @@ def build_rank0(args: ModelArgs, layout: par.LLMParallelLayout, dtype: torch.dty
 # weights_deepseek_v3 loads it (every linear of a layer but kv_b_proj and V3.2's indexer int8 with an fp32 scale per
 # output channel, routed experts too; router fp32; embedding, head, norms and kv_b_proj in the dtype): counted on
 # the W8A8 model itself, built on the meta device like the float one.
+MLA_PART_RULES = (("embedding", r"^model\.embed_tokens\."), ("LM head", r"^lm_head\."),
+                  ("routed experts", r"\.mlp\.experts\."),
+                  ("shared expert + router", r"\.mlp\.(shared_experts|gate)\."),
+                  ("dense MLP", r"\.mlp\."),  # the first first_k_dense_replace layers
+                  ("attention", r"\.self_attn\."),  # its projections and latent norms (q_a_ / kv_a_layernorm)
+                  ("norms", ""))  # input / post-attention norms, the final norm
 MLA_PARTS = ("attention", "routed experts", "shared expert + router", "dense MLP", "embedding", "LM head", "norms")
 MLA_SCHEMES = ("W8A8",)
-
-
-def mla_part_of(name: str) -> str:
-    if name.startswith("model.embed_tokens."):
-        return "embedding"
-    if name.startswith("lm_head."):
-        return "LM head"
-    if ".mlp.experts." in name:
-        return "routed experts"
-    if ".mlp.shared_experts." in name or ".mlp.gate." in name:
-        return "shared expert + router"
-    if ".mlp." in name:
-        return "dense MLP"  # the first first_k_dense_replace layers
-    if ".self_attn." in name:
-        return "attention"  # its projections and its latent norms (q_a_layernorm, kv_a_layernorm)
-    return "norms"  # input / post-attention norms, the final norm
 
 
 def build_rank0_mla(args, layout: par.LLMParallelLayout, dtype: torch.dtype, device="meta",
@@ -245,7 +229,7 @@ def mla_weight_bytes(args, layout: par.LLMParallelLayout, dtype: torch.dtype, mo
     out = {p: dict.fromkeys(("dtype",) + MLA_SCHEMES, 0) for p in MLA_PARTS}
     for column, m in (("dtype", model), ("W8A8", int8)):
         for name, t in m.state_dict().items():
-            out[mla_part_of(name)][column] += t.nbytes
+            out[part_of(name, MLA_PART_RULES)][column] += t.nbytes
     return out
 
 

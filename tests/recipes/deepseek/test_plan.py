@@ -297,7 +297,7 @@ def test_mla_plan_equals_the_tiny_model_built_on_cpu(layout):
     for column, a in (("dtype", args), ("W8A8", dataclasses.replace(args, quant_format="w8a8"))):
         state = DeepseekV3(a, Parallel(layout)).state_dict()
         for part in plan.MLA_PARTS:
-            held = sum(t.nbytes for n, t in state.items() if plan.mla_part_of(n) == part)
+            held = sum(t.nbytes for n, t in state.items() if plan.part_of(n, plan.MLA_PART_RULES) == part)
             assert p.weights[part][column] == held > 0, (column, part)
     model = DeepseekV3(args, Parallel(layout))
     assert p.kv_per_token == {g: n / 16 for g, n in model.cache_bytes_per_block(16).items()}
