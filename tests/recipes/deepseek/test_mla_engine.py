@@ -217,7 +217,8 @@ def test_graph_mode_with_mtp_equals_plain(setup, checkpoints):
     graphs = llm.engine.runner.graphs
     assert graphs.query_len == 2
     check_equal(llm.generate(PROMPTS, GREEDY, use_tqdm=False), plain)
-    llm.engine.proposer = OracleProposer(llm.engine.proposer, {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)})
+    reference = {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}
+    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference, llm.engine.contract.vocab_size)
     before = graphs.replays[4]
     check_equal(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False), plain[:1])
     assert 0 < before < graphs.replays[4]

@@ -47,7 +47,8 @@ def test_weight_bytes_equal_rank0_slice_built_on_cpu(layout, dtype):
 
 
 def test_weight_bytes_equal_a_real_load_single_process(tmp_path):
-    path = write_tiny_checkpoint(tmp_path / "ckpt", seed=1)  # the publisher's format (FP8 + MXFP4), dequantized
+    # the publisher's format (FP8 + MXFP4), dequantized; text only, as TINY_CONFIG (the plan's) is
+    path = write_tiny_checkpoint(tmp_path / "ckpt", seed=1, vision=False)
     for dtype in (torch.bfloat16, torch.float32):
         model = load_model(path, dtype)
         held = sum(t.nbytes for t in model.state_dict().values())
@@ -166,7 +167,7 @@ def test_offload_plan_equals_an_offloaded_load(tmp_path):
     bytes its host experts' MXFP4 tensors."""
     from common.offload import MoEOffloadConfig
 
-    path = write_tiny_checkpoint(tmp_path / "ckpt", seed=1)
+    path = write_tiny_checkpoint(tmp_path / "ckpt", seed=1, vision=False)  # text only, as TINY_CONFIG is
     model = load_model(path, torch.float32, offload=MoEOffloadConfig(3))
     p = plan.plan(TINY_CONFIG, "tiny", "test", LLMParallelLayout(), torch.float32, ENGINE, offload_slots=3)[0]
     assert p.total("dtype") == sum(t.nbytes for t in model.state_dict().values())
