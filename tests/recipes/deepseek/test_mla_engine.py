@@ -4,9 +4,11 @@
   random MTP layer gets wrong (rejections) and drafts right for a while (`Oracle`: the real proposer runs, its KV
   writes included, then its drafts are replaced by the plain run's tokens, one of every third step corrupted);
   the MTP layer loads the publisher's `model.layers.{num_hidden_layers}` tensors.
-- Gloo ranks (slow): TP2 and DP2 + EP2 with the vocabulary split equal one process, each rank reading its slice.
-- Graph-mode decode equals eager; PD disaggregation (Mooncake over TCP) equals one engine; the latent cache's
-  bytes per token for the published V3.
+- Gloo ranks (slow): TP2 and DP2 + EP2 with the vocabulary split equal one process, each rank reading its slice,
+  eager with MTP and in graph mode (the decode steps as graphs on every rank).
+- Graph-mode decode equals eager, and with MTP (K = 1: verify steps of 2-token sequences as graphs) equals plain
+  greedy decoding; PD disaggregation (Mooncake over TCP) equals one engine; the latent cache's bytes per token for
+  the published V3.
 """
 import pytest
 import torch
@@ -131,6 +133,8 @@ def rank_main(path, world, layout, engine_kwargs, out_dir):
         outs = llm.generate(PROMPTS[:3], RANK_GREEDY, use_tqdm=False)  # 3 over DP2: one rank idles at the end
         assert llm.engine.kv_cache.all_blocks_free()
         assert not mtp or llm.engine.stats.num_draft_tokens > 0
+        if (graphs := llm.engine.runner.graphs) is not None:  # decode steps ran as graphs on every rank
+            assert all(graphs.replays.values())
         torch.save((logits, [o.token_ids for o in outs], model.checkpoint_reads, held), out_dir / f"{parallel.rank}.pt")
     finally:
         destroy_parallel()
@@ -142,7 +146,14 @@ def rank_main(path, world, layout, engine_kwargs, out_dir):
     # DP2 + EP2, vocabulary split, chunked prefill; MTP: the DP ranks' MTP forwards in lock-step (the rank with
     # fewer requests on empty batches at the end)
     ("v3", {"embed_tp": 2, "lmhead_tp": 2}, {"max_num_batched_tokens": 8, "num_speculative_tokens": 2}),
-], ids=["v32-tp2-mtp2", "v3-dp2-ep2-vocab2-chunked-mtp2"])
+    # graph-mode decode over ranks. TP2 (EP2): one request at a time in bucket 1 (the TP peers' graphs all-reduce
+    # the heads' outputs; one TP rank routes the step's token, the expert dispatch in fixed-capacity buffers)
+    ("v3", {"attn_tp": 2}, {"exe_mode": "graph", "graph_capture_sizes": (1,), "max_num_seqs": 1}),
+    # DP2 + EP2, vocabulary split: the DP ranks agree on bucket 2 each step (the rank of 2 requests; the rank of 1
+    # padded to it, then padding alone once it is done), chunked prefill beside the decodes
+    ("v3", {"embed_tp": 2, "lmhead_tp": 2}, {"exe_mode": "graph", "graph_capture_sizes": (2,),
+                                           "max_num_batched_tokens": 8}),
+], ids=["v32-tp2-mtp2", "v3-dp2-ep2-vocab2-chunked-mtp2", "v3-tp2-graph", "v3-dp2-ep2-vocab2-graph"])
 def test_ranks_equal_one_process(setup, checkpoints, tmp_path, variant, layout, engine_kwargs):
     """Each rank reads exactly its slice (its heads, its experts, its vocabulary rows); its prefill logits equal
     the one-process model's on the same prompts (1e-4) and its greedy tokens equal one process's."""
@@ -194,6 +205,24 @@ def test_graph_decode_equals_eager(checkpoints):
     want = LLM(load_model(path, torch.float32), tok, **engine).generate(PROMPTS, params, use_tqdm=False)
     check_equal(graph.generate(PROMPTS, params, use_tqdm=False), want)
     assert graph.engine.runner.graphs.replays[4] > 0 and graph.engine.kv_cache.all_blocks_free()
+
+
+def test_graph_mode_with_mtp_equals_plain(setup, checkpoints):
+    """exe_mode graph with the V3 MTP layer, k = 1: a verify step (every sequence its token and its draft) runs as
+    a graph of 2-token sequences padded to bucket 4; greedy tokens and log-probs equal plain decoding, with the
+    random MTP layer's drafts (mostly rejected) and the oracle's (accepted: one request padded to the bucket)."""
+    _, tok, plain = setup["v3"]
+    model = load_model(checkpoints["v3"], torch.float32, mtp=True)
+    llm = LLM(model, tok, block_size=16, num_speculative_tokens=1, exe_mode="graph", graph_capture_sizes=(4,))
+    graphs = llm.engine.runner.graphs
+    assert graphs.query_len == 2
+    check_equal(llm.generate(PROMPTS, GREEDY, use_tqdm=False), plain)
+    reference = {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}
+    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference, llm.engine.contract.vocab_size)
+    before = graphs.replays[4]
+    check_equal(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False), plain[:1])
+    assert 0 < before < graphs.replays[4]
+    assert llm.engine.stats.num_accepted_tokens > 0 and llm.engine.kv_cache.all_blocks_free()
 
 
 def test_pd_disaggregation_equals_colocated(checkpoints):

@@ -215,3 +215,104 @@ def test_bad_offload_options_give_one_line_and_exit_2(argv, needle, capsys, monk
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+# --- the MLA family (DeepSeek-V3 671B): the 310P deployment and Atlas A3 ---------------------------------------
+
+def v3_rank_bytes_by_hand(heads: int, experts: int, vocab_rows: int, w8a8: bool, dtype_bytes: int = 2) -> dict:
+    """One rank of DeepSeek-V3 671B written out from the published dimensions, by part: 61 layers (3 dense, 58 MoE),
+    hidden 7168, `heads` of the 128 attention heads (q_lora 1536, nope 128 + rope 64, v 128, kv_lora 512),
+    `experts` of the 256 routed experts a MoE layer (2048 wide) + 1 shared, dense MLP 18432, `vocab_rows` of the
+    129,280 rows of the embedding and of the head. W8A8 (convert_checkpoint.py): every linear but kv_b_proj int8
+    with one fp32 scale per output row; the router fp32 (weight and correction bias) in both."""
+    D, f = 7168, dtype_bytes
+
+    def linear(n, k):  # an [n, k] projection
+        return n * k + 4 * n if w8a8 else n * k * f
+
+    attention = (linear(1536, D) + 1536 * f  # q_a_proj, q_a_layernorm
+                 + linear(heads * 192, 1536)  # q_b_proj: this rank's heads
+                 + linear(512 + 64, D) + 512 * f  # kv_a_proj_with_mqa, kv_a_layernorm
+                 + heads * (128 + 128) * 512 * f  # kv_b_proj, never quantized
+                 + linear(D, heads * 128))  # o_proj: its heads' columns, every output row (and its scale)
+    swiglu = lambda inner: linear(2 * inner, D) + linear(D, inner)  # noqa: E731 gate_up + down
+    return {"attention": 61 * attention, "routed experts": 58 * experts * swiglu(2048),
+            "shared expert + router": 58 * (swiglu(2048) + 256 * D * 4 + 256 * 4), "dense MLP": 3 * swiglu(18432),
+            "embedding": vocab_rows * D * f, "LM head": vocab_rows * D * f, "norms": (2 * 61 + 1) * D * f}
+
+
+def test_v3_config_is_the_published_one():
+    from transformers import DeepseekV3Config
+    ref = DeepseekV3Config()  # its defaults are DeepSeek-V3's
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+                "first_k_dense_replace", "routed_scaling_factor"):
+        assert plan.V3_CONFIG[key] == getattr(ref, key), key
+
+
+@pytest.mark.parametrize("preset, dtype, heads, experts, vocab_rows, cache", [
+    # 20 Atlas 300I Duo = 32 chips: attention TP8 (16 heads a rank), EP32 (8 experts), vocabulary whole, fp16;
+    # upstream's 256 blocks of 256 tokens
+    ("atlas-300i-duo-v3-tp8-ep32.yaml", torch.float16, 16, 8, 129280, 256 * 256),
+    # 16 Atlas A3 dies: attention DP16 (all 128 heads), EP16 (16 experts), vocabulary over 16, bf16; 3 GiB of cache
+    ("atlas-a3-v3.yaml", torch.bfloat16, 128, 16, 129280 // 16, None),
+], ids=["300i-duo-tp8-ep32", "a3-dp16-ep16"])
+def test_v3_671b_per_rank_equals_the_hand_computation(preset, dtype, heads, experts, vocab_rows, cache):
+    import yaml
+    spec = yaml.safe_load((RECIPE / "configs" / preset).read_text())
+    p = plan.plan(plan.V3_CONFIG, "v3", "test", LLMParallelLayout(**spec["parallel"]), dtype, spec["engine"])[0]
+    assert p.arch is plan.MLA_ARCH and p.columns == ("dtype", "W8A8")
+    for column, w8a8 in (("dtype", False), ("W8A8", True)):
+        want = v3_rank_bytes_by_hand(heads, experts, vocab_rows, w8a8)
+        assert {part: p.weights[part][column] for part in plan.MLA_PARTS} == want, column
+    # the latent cache: 61 layers x (512 + 64) values in 2 bytes, the same on every rank (replicated over TP)
+    assert p.kv_per_token == {"latent": 61 * 576 * 2}
+    if cache:  # the preset fixes num_blocks: the cache is num_blocks x block_size tokens of rows
+        assert p.preset_cache_bytes(spec["engine"]) == cache * 61 * 576 * 2
+    else:
+        assert p.preset_cache_bytes(spec["engine"]) == spec["engine"]["kv_cache_memory_bytes"]
+
+
+def test_v3_on_300i_duo_fits_only_in_w8a8():
+    """The numbers the README quotes: W8A8 28.59 GiB a chip + the preset's 4.29 GiB of latent cache fit in 48 GB
+    with 10% kept for activations; fp16 (53.05 GiB) does not."""
+    import yaml
+    spec = yaml.safe_load((RECIPE / "configs" / "atlas-300i-duo-v3-tp8-ep32.yaml").read_text())
+    p = plan.plan(plan.V3_CONFIG, "v3", "test", LLMParallelLayout(**spec["parallel"]), torch.float16,
+                  spec["engine"])[0]
+    usable = int(48 * 2**30 * 0.9)
+    assert round(p.total("W8A8") / 2**30, 2) == 28.59 and round(p.total("dtype") / 2**30, 2) == 53.05
+    assert p.total("W8A8") + p.preset_cache_bytes(spec["engine"]) < usable < p.total("dtype")
+
+
+@pytest.mark.parametrize("layout", [LLMParallelLayout(), LLMParallelLayout(world_size=2, attn_tp=2),
+                                    LLMParallelLayout(world_size=2, lmhead_tp=2, embed_tp=2)],
+                         ids=["one", "tp2-ep2", "dp2-ep2-vocab2"])
+def test_mla_plan_equals_the_tiny_model_built_on_cpu(layout):
+    """The planner's V3 numbers are what the model holds: float and W8A8 (the model convert_checkpoint.py's
+    output loads into), part by part, and the cache's bytes per token."""
+    import dataclasses
+
+    import tiny_deepseek_v3
+    from config_deepseek_v3 import ModelArgs as V3Args
+    from modeling_deepseek_v3 import DeepseekV3
+    cfg = tiny_deepseek_v3.TINY_CONFIG
+    p = plan.plan(cfg, "tiny", "test", layout, torch.float32, ENGINE)[0]
+    args = V3Args.from_config(cfg)
+    for column, a in (("dtype", args), ("W8A8", dataclasses.replace(args, quant_format="w8a8"))):
+        state = DeepseekV3(a, Parallel(layout)).state_dict()
+        for part in plan.MLA_PARTS:
+            held = sum(t.nbytes for n, t in state.items() if plan.part_of(n, plan.MLA_PART_RULES) == part)
+            assert p.weights[part][column] == held > 0, (column, part)
+    model = DeepseekV3(args, Parallel(layout))
+    assert p.kv_per_token == {g: n / 16 for g, n in model.cache_bytes_per_block(16).items()}
+
+
+def test_the_310p_preset_prints_its_plan():
+    r = run_plan("--config", "configs/atlas-300i-duo-v3-tp8-ep32.yaml")
+    assert r.returncode == 0, r.stderr
+    for needle in ("DeepSeek-V3 671B", "attention TP 8 x DP 4, MoE EP 32", "fp16", "W8A8", "dense MLP",
+                   "latent", "70,272.0 B", "Atlas 300I Duo chip: 48 GiB", "preset num_blocks 256 fits",
+                   "28.59 GiB"):
+        assert needle in r.stdout, needle
