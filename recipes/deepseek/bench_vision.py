@@ -1,14 +1,16 @@
 """DeepSeek-V4 vision: the encoder stage against timm, and what an image costs a request, side by side in one run.
 
-    python bench_vision.py [--weights DIR] [--sizes 448x448,896x672] [--repeats 5] [--threads 2]
+    python bench_vision.py [--weights DIR | --tower-layers N] [--sizes 448x448,896x672] [--repeats 5] [--threads 2]
                            [--dtype auto|bf16|fp32] [--quick]
 
-DIR: a Vision-Exp-layout checkpoint (default: the tiny one, which run.sh writes; its tower is tiny, so its numbers
-only show the bench runs). Three tables:
+DIR: a Vision-Exp-layout checkpoint. Without one, the bench writes (once) the tiny LLM with a vision tower of the
+real one's width (1024 wide, 16 heads, SwiGLU 2816, patch 14, up to 1024 tokens an image) and --tower-layers of its
+32 layers (weights/deepseek-v4-vision-bench-LN): an encode's time there is the real tower's per layer. Three tables:
 1. Encode: ms per image through the vision tower + aligner (the recipe's `VisionEncoder.encode`, one image a call,
    best of --repeats) at each size, against timm's `deepseek_vit_412m_enc` built to the checkpoint's sizes and fed
-   the same weights (timm's own checkpoint filter) and the same patches, when timm imports here (timm 1.0.31 imports
-   torchvision at `import timm`; where that fails the row says why); the largest difference of the two outputs.
+   the same weights (timm's own checkpoint filter) and the same patches (timm imported through timm_import.py, which
+   stands in for the torchvision names `import timm` reads where torchvision cannot load; where timm is not
+   installed the row says why); the largest difference of the two outputs.
 2. TTFT: one image request (a chat prompt with the image) against a text request of the same prompt length (random
    ids), through the engine with the prefix cache off: median time to the first token over --repeats, and the
    encoder stage's share of the image request's.
@@ -35,8 +37,9 @@ from common import backend
 from common.engine import LLMEngine, EngineConfig, SamplingParams
 from common.loader import Checkpoint
 from common.serving.chat_format import Conversation
-from model_family import FAMILIES
 from modeling_deepseek_vision import VisionArgs
+from timm_import import import_timm
+from tiny_deepseek_v4 import is_current, write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
 
@@ -67,9 +70,9 @@ def best_ms(fn, repeats: int) -> float:
 def timm_encoder(path: Path, args: VisionArgs, dtype: torch.dtype):
     """timm's deepseek_vit_412m_enc at the checkpoint's sizes with its vision tensors, or the reason it is not here."""
     try:
-        import timm
+        timm = import_timm()  # with a stand-in for the torchvision names it reads, where torchvision cannot load
         from timm.models.deepseek_vit import checkpoint_filter_fn_encoder
-    except (ImportError, RuntimeError, OSError) as e:  # timm 1.0.31 imports torchvision at `import timm`
+    except (ImportError, RuntimeError, OSError) as e:
         return None, f"timm does not import here ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
     ckpt = Checkpoint(path)
     model = timm.create_model("deepseek_vit_412m_enc", pretrained=False, embed_dim=args.hidden_size,
@@ -96,9 +99,25 @@ def ttft(engine: LLMEngine, prompt, repeats: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(encoder)
 
 
+# The real tower's sizes (modeling_deepseek_vision.VisionArgs' defaults, from the publisher's vision_config)
+REAL_WIDTH = dict(hidden_size=1024, num_attention_heads=16, intermediate_size=2816, max_num_tokens=1024,
+                  min_pixels=384 * 384)
+
+
+def bench_tower(layers: int) -> Path:
+    """The tiny LLM with a real-width vision tower of `layers` layers, written once."""
+    path = Path(__file__).resolve().parents[2] / "weights" / f"deepseek-v4-vision-bench-l{layers}"
+    if not is_current(path):
+        print(f"writing {path} (a {layers}-layer real-width vision tower on the tiny LLM)", flush=True)
+        write_tiny_checkpoint(path, seed=0, vision_config={**REAL_WIDTH, "num_hidden_layers": layers},
+                              max_shard_bytes=2**30)
+    return path
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--weights", type=Path, help="a Vision-Exp-layout checkpoint (default: the tiny one)")
+    p.add_argument("--weights", type=Path, help="a Vision-Exp-layout checkpoint (default: a real-width bench tower)")
+    p.add_argument("--tower-layers", type=int, default=4, help="layers of the bench tower (the real one has 32)")
     p.add_argument("--sizes", default="448x448,896x672", help="image sizes WIDTHxHEIGHT, comma-separated")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
@@ -109,7 +128,9 @@ def main():
         sizes = [parse_size(s) for s in a.sizes.split(",")]
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
-    path = a.weights or FAMILIES["deepseek-v4"].ensure_tiny()
+    if a.tower_layers < 1:
+        p.error(f"--tower-layers {a.tower_layers}: must be >= 1")
+    path = a.weights or bench_tower(a.tower_layers)
     if not (path / "config.json").exists():
         p.error(f"--weights {path}: no checkpoint there")
     config = Checkpoint(path).config

@@ -1,6 +1,6 @@
-"""The deepseek README's Python examples for tool calling, structured output and /v1/responses, run as written
-against `bash recipes/deepseek/run.sh --serve` on the served tiny checkpoint (only the port differs): the README
-stays true."""
+"""The deepseek recipe's serving guide (SERVING.md): its Python examples for tool calling, structured output and
+/v1/responses, run as written against `bash recipes/deepseek/run.sh --serve` on the served tiny checkpoint (only the
+port differs): the guide stays true."""
 import contextlib
 import io
 import re
@@ -12,14 +12,14 @@ import pytest
 from serving_harness import free_port
 from test_serve_subprocess import RUN_SH, wait_healthy
 
-README = Path(__file__).resolve().parents[2] / "recipes" / "deepseek" / "README.md"
-SECTIONS = ("### Tool calling and structured output", "### /v1/responses")
+README = Path(__file__).resolve().parents[2] / "recipes" / "deepseek" / "SERVING.md"
+SECTIONS = ("## Tool calling and structured output", "## /v1/responses")
 
 
 def python_blocks(section: str) -> list[str]:
     text = README.read_text()
     start = text.index(section + "\n")
-    end = text.find("\n### ", start + len(section))
+    end = text.find("\n## ", start + len(section))
     return re.findall(r"```python\n(.*?)```", text[start: end if end > 0 else None], flags=re.S)
 
 

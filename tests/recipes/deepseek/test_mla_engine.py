@@ -19,7 +19,7 @@ from common.loader import Checkpoint, CheckpointError
 from config_deepseek_v3 import ModelArgs, cache_bytes_per_token
 from tiny_deepseek_v3 import tiny_config, write_tiny_checkpoint
 from weights_deepseek_v3 import load_model
-from mtp_oracle import OracleProposer
+from mtp_oracle import OracleProposer, check_equal, check_graph_verify_steps
 
 NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
@@ -47,13 +47,6 @@ def setup(checkpoints):
         model, tok = load_model(path, torch.float32, mtp=True), AutoTokenizer.from_pretrained(path)
         out[variant] = model, tok, LLM(model, tok, block_size=16).generate(PROMPTS, GREEDY, use_tqdm=False)
     return out
-
-
-def check_equal(outs, plain):
-    for got, want in zip(outs, plain, strict=True):
-        assert got.token_ids == want.token_ids
-        for a, b in zip(got.logprobs, want.logprobs, strict=True):
-            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
 
 
 @pytest.mark.parametrize("variant, k, engine_kwargs", [
@@ -214,15 +207,7 @@ def test_graph_mode_with_mtp_equals_plain(setup, checkpoints):
     _, tok, plain = setup["v3"]
     model = load_model(checkpoints["v3"], torch.float32, mtp=True)
     llm = LLM(model, tok, block_size=16, num_speculative_tokens=1, exe_mode="graph", graph_capture_sizes=(4,))
-    graphs = llm.engine.runner.graphs
-    assert graphs.query_len == 2
-    check_equal(llm.generate(PROMPTS, GREEDY, use_tqdm=False), plain)
-    reference = {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}
-    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference, llm.engine.contract.vocab_size)
-    before = graphs.replays[4]
-    check_equal(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False), plain[:1])
-    assert 0 < before < graphs.replays[4]
-    assert llm.engine.stats.num_accepted_tokens > 0 and llm.engine.kv_cache.all_blocks_free()
+    check_graph_verify_steps(llm, PROMPTS, plain, GREEDY, bucket=4)
 
 
 def test_pd_disaggregation_equals_colocated(checkpoints):

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from common.engine import LLM, SamplingParams
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
-from mtp_oracle import OracleProposer
+from mtp_oracle import OracleProposer, check_equal, check_graph_verify_steps
 
 NEW = 30
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
@@ -34,13 +34,6 @@ def setup(tmp_path_factory):
 DRAFTS = pytest.mark.parametrize("k", [1, 3])
 SETTINGS = pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 8}, {"num_blocks": 12}],
                                    ids=["default", "chunked-prefill", "preemption"])
-
-
-def check_equal(outs, plain):
-    for got, want in zip(outs, plain):
-        assert got.token_ids == want.token_ids
-        for a, b in zip(got.logprobs, want.logprobs):
-            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
 
 
 @DRAFTS
@@ -77,15 +70,7 @@ def test_graph_mode_verifies_the_drafts_in_its_graphs(setup):
     random MTP layer, 4 requests) and accepted ones (the oracle's, 1 request padded to the bucket of 4)."""
     model, tok, prompts, plain = setup
     llm = LLM(model, tok, block_size=16, num_speculative_tokens=2, exe_mode="graph", graph_capture_sizes=(4,))
-    graphs = llm.engine.runner.graphs
-    assert graphs.query_len == 3
-    check_equal(llm.generate(prompts, GREEDY, use_tqdm=False), plain)
-    reference = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
-    llm.engine.proposer = OracleProposer(llm.engine.proposer, reference, llm.engine.contract.vocab_size)
-    before = graphs.replays[4]
-    check_equal(llm.generate(prompts[:1], GREEDY, use_tqdm=False), plain[:1])
-    assert 0 < before < graphs.replays[4]
-    assert llm.engine.stats.num_accepted_tokens > 0 and llm.engine.kv_cache.all_blocks_free()
+    check_graph_verify_steps(llm, prompts, plain, GREEDY, bucket=4)
 
 
 def test_a_prefix_cache_hit_with_mtp_equals_a_miss(setup):

