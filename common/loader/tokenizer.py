@@ -21,8 +21,10 @@ def write_tokenizer(path, vocab_size: int, special_tokens: dict[str, str], chat_
     add_bos: plain encode() prepends the bos token (a chat template writes its own); add_eos: appends the eos token
     (CLIP-style text encoders pool at it). Total vocab <= vocab_size. extra_corpus: texts trained on besides
     corpus.txt (a chat format's fixed strings, so that its prompts take as few tokens as a real vocabulary's do).
-    last_special_tokens: special tokens that take the last ids (vocab_size - len .. vocab_size - 1) after the trained
-    vocabulary, so that adding one to a tokenizer keeps every other id (only the least frequent merges give way).
+    last_special_tokens: special tokens that take the ids after the trained vocabulary, so that adding one to a
+    tokenizer keeps every other id (only the least frequent merges give way): the last ids (vocab_size - len ..
+    vocab_size - 1) where the corpus trains that many tokens, else the ids right after those it trains (a model
+    vocabulary larger than the corpus fills; ask the saved tokenizer for them).
     """
     specials = list(special_tokens.values())
     if vocab_size < 256 + len(specials):
@@ -34,10 +36,7 @@ def write_tokenizer(path, vocab_size: int, special_tokens: dict[str, str], chat_
                                   special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(CORPUS.read_text().split("\n\n") + list(extra_corpus), trainer)
-    if last_special_tokens:
-        if tokenizer.get_vocab_size() != vocab_size - len(last_special_tokens):
-            raise ValueError(f"the corpus trains {tokenizer.get_vocab_size()} tokens, fewer than the "
-                             f"{vocab_size - len(last_special_tokens)} before the last special tokens")
+    if last_special_tokens:  # the ids after the trained vocabulary (the last ones where the corpus fills it)
         tokenizer.add_special_tokens(list(last_special_tokens))
     bos_token, eos_token = special_tokens.get(bos), special_tokens.get(eos)
     add_bos, add_eos = bool(add_bos and bos_token), bool(add_eos and eos_token)

@@ -7,7 +7,7 @@ checkpoint, in one run (`--model deepseek-v3`: the MLA bench, bench_deepseek_v3.
 Writes the checkpoint once (weights/deepseek-v4-bench, bf16, hidden 1024, every layer kind), loads it in --dtype
 for both sides (auto: common.backend.default_dtype(): bf16 where the CPU's oneDNN runs bf16, else fp32), then
 measures: decode tok/s at batch 1 and 16 (128-token prompts, 128 new tokens; decode = generate(128) -
-generate(1), the same for both sides); a mixed workload (64 requests, prompt and output lengths uniform in [32,
+generate(1), the same for both sides); a mixed workload (--mixed-requests, 64, prompt and output lengths uniform in [32,
 512], fixed seed) in total tok/s, transformers in static batches of 16; and the batch-1 decode roofline: active
 weight bytes per token (in the run's dtype) over the memory read bandwidth measured here by reading a buffer of the
 run's dtype at the run's thread count. Each row keeps each side's best of --repeats alternating runs. The graph
@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 from common import backend
 from common.engine import LLM, SamplingParams
 from config_deepseek_v4 import CSA, HCA, ModelArgs
-from tiny_deepseek_v4 import write_tiny_checkpoint
+from tiny_deepseek_v4 import is_current, write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
 BENCH = Path(__file__).resolve().parents[2] / "weights" / "deepseek-v4-bench"
@@ -157,6 +157,14 @@ def decode_tok_s(gen, batch_size: int, vocab: int, seed: int, new: int = 128, pr
     return batch_size * (new - 1) / (full - first)
 
 
+def ensure_bench() -> Path:
+    """The bench checkpoint, written when missing, half-written or written by an older revision of the writer;
+    V4-Flash's text layout (the LLM's tensors are the Vision-Exp layout's, without the vision tower)."""
+    if not is_current(BENCH):
+        write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, vision=False, **BENCH_CONFIG)
+    return BENCH
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
@@ -173,8 +181,16 @@ def main():
                    "CPU default, torch.compile'd)")
     p.add_argument("--profile", action="store_true", help="deepseek-v3: print the top ops of a batch-16 decode "
                    "step, the engine's and transformers'")
+    p.add_argument("--mixed-requests", type=int, default=64, help="requests of the mixed workload (--quick: 16)")
+    p.add_argument("--mixed-max-len", type=int, default=512, help="the mixed workload's prompt and output lengths "
+                   "are uniform in [32, this] (--quick: 96); transformers runs it in static batches of 16, which "
+                   "on a slow CPU is most of the bench's time")
     p.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)  # second_start's process
     a = p.parse_args()
+    if a.mixed_requests < 1 or a.mixed_max_len < 32:
+        p.error("--mixed-requests must be >= 1 and --mixed-max-len >= 32")
+    if a.quick:
+        a.mixed_requests, a.mixed_max_len = 16, 96
     if a.model == "deepseek-v3":
         import bench_deepseek_v3
         return bench_deepseek_v3.main(a)
@@ -188,8 +204,7 @@ def main():
         return
     print(f"{dtype_line}; {backend.cpu_model_name()}, {backend.cpu_description()}", flush=True)
     torch.set_num_threads(a.threads)
-    if not (BENCH / "config.json").exists():
-        write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, **BENCH_CONFIG)
+    ensure_bench()
     args = ModelArgs.from_config({**BENCH_CONFIG})
     tok = AutoTokenizer.from_pretrained(BENCH)
     model = load_model(BENCH, dtype)
@@ -218,9 +233,9 @@ def main():
                          for gen in (ours, ours_graph, theirs)))))
         bar.update()
 
-    n_req = 16 if a.quick else 64
+    n_req = a.mixed_requests
     g = torch.Generator().manual_seed(0)
-    lo, hi = (32, 96) if a.quick else (32, 512)
+    lo, hi = 32, a.mixed_max_len
     plens = torch.randint(lo, hi + 1, (n_req,), generator=g).tolist()
     olens = torch.randint(lo, hi + 1, (n_req,), generator=g).tolist()
     work = prompts(n_req, plens, args.vocab_size, seed=7)

@@ -8,7 +8,7 @@ Writes the checkpoint once (weights/deepseek-v3-bench: tiny_deepseek_v3.BENCH_SI
 512 and rope 64, the shape vLLM-CPU's MLA decode kernel is built for) and loads it in --dtype on every side (auto:
 common.backend.default_dtype(), which follows the CPU). Measured as bench.py measures V4: decode tok/s at batch 1
 and 16 (128-token prompts, 128 new; decode = generate(128) - generate(1) on other prompts of the same shape, the
-same subtraction on every side), a mixed workload (64 requests, prompt and output lengths uniform in [32, 512],
+same subtraction on every side), a mixed workload (--mixed-requests, 64, prompt and output lengths uniform in [32, 512],
 fixed seed) in total tok/s, transformers in static batches of 16, the engines given the whole list; each side's
 best of --repeats runs (ours and transformers alternating). vLLM runs once as a subprocess in its own environment
 (--vllm-python, else NPU_COOKBOOK_VLLM_PYTHON, else the repository's .venv-vllm; bench_deepseek_v3_vllm.py), after
@@ -64,7 +64,7 @@ def vllm_python(flag: Path | None) -> Path:
     return flag or Path(os.environ.get("NPU_COOKBOOK_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
 
-def workloads(vocab: int, quick: bool) -> dict[str, tuple[list[list[int]], list[int]]]:
+def workloads(vocab: int, quick: bool, n_req: int, hi: int) -> dict[str, tuple[list[list[int]], list[int]]]:
     """{job: (prompts, max_tokens per prompt)}: each decode batch's full run and its first-token run (other
     prompts of the same shape), and the mixed workload."""
     new = 16 if quick else 128
@@ -72,7 +72,7 @@ def workloads(vocab: int, quick: bool) -> dict[str, tuple[list[list[int]], list[
     for bs in (1, 16):
         jobs[f"decode{bs}"] = prompts(bs, 128, vocab, seed=bs), [new] * bs
         jobs[f"first{bs}"] = prompts(bs, 128, vocab, seed=bs + 1), [1] * bs
-    n_req, (lo, hi) = (16, (32, 96)) if quick else (64, (32, 512))
+    lo = 32
     g = torch.Generator().manual_seed(0)
     plens = torch.randint(lo, hi + 1, (n_req,), generator=g).tolist()
     olens = torch.randint(lo, hi + 1, (n_req,), generator=g).tolist()
@@ -211,7 +211,7 @@ def main(a) -> None:
     for run in ours.values():  # warm-up
         run(prompts(2, 16, args.vocab_size, 99), [4, 4])
 
-    jobs = workloads(args.vocab_size, a.quick)
+    jobs = workloads(args.vocab_size, a.quick, a.mixed_requests, a.mixed_max_len)
     groups = (("decode1", "first1"), ("decode16", "first16"), ("mixed",))
     bar = tqdm(total=len(groups) * max(a.repeats, 1) + 3, desc="bench", unit="step")
     runs = {side: [] for side in ours}  # per side: one {job: seconds} per repeat

@@ -82,10 +82,8 @@ def main():
     a = p.parse_args()
     if a.worker:
         return worker(a)
-    from bench import BENCH, BENCH_CONFIG
-    from tiny_deepseek_v4 import write_tiny_checkpoint
-    if not (BENCH / "config.json").exists():
-        write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, **BENCH_CONFIG)
+    from bench import ensure_bench
+    ensure_bench()
     rows = []
     for world in tqdm(a.ranks, desc="world sizes", unit="run"):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",

@@ -21,13 +21,12 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
-from bench import (BENCH, BENCH_CONFIG, decode_tok_s, gemm_seconds_per_step, hf_generate, ours_generate, prompts,
+from bench import (BENCH, BENCH_CONFIG, decode_tok_s, ensure_bench, gemm_seconds_per_step, hf_generate, ours_generate, prompts,
                    read_bandwidth, weight_bytes_per_step)
 from common import backend
 from common.engine import LLM
 from config_deepseek_v4 import ModelArgs
 from convert_checkpoint import convert
-from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
 FORMATS = ("w8a8", "w4a8")
@@ -47,8 +46,7 @@ def main():
     dtype, line = backend.resolve_dtype(a.dtype, None)
     name = backend.dtype_name(dtype)
     print(f"{line}; {backend.cpu_description()}; {a.threads} threads", flush=True)
-    if not (BENCH / "config.json").exists():
-        write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, **BENCH_CONFIG)
+    ensure_bench()
     paths = {name: BENCH}
     for fmt in FORMATS:
         paths[fmt] = BENCH.with_name(f"{BENCH.name}-{fmt}")

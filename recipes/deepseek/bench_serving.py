@@ -108,11 +108,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def ensure_checkpoint(path: Path) -> None:
-    if path.resolve() == BENCH.resolve() and not (BENCH / "config.json").exists():
+    if path.resolve() == BENCH.resolve():
         import bench
-        from tiny_deepseek_v4 import write_tiny_checkpoint
 
-        write_tiny_checkpoint(bench.BENCH, quantized="bf16", max_shard_bytes=2**30, **bench.BENCH_CONFIG)
+        bench.ensure_bench()
 
 
 def make_prompts(a) -> list[str | list[int]]:

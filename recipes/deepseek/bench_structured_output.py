@@ -40,9 +40,9 @@ from common import backend
 from common.engine import LLM, SamplingParams
 from common.engine.sampling_params import StructuredOutputsParams
 from common.engine.structured_output import StructuredOutputManager
-from bench import BENCH, BENCH_CONFIG, prompts
+from bench import BENCH, BENCH_CONFIG, ensure_bench, prompts
 from chat_format_deepseek_v4 import DeepseekV4ChatFormat
-from tiny_deepseek_v4 import SPECIAL_TOKENS, write_tiny_checkpoint
+from tiny_deepseek_v4 import SPECIAL_TOKENS
 from weights_deepseek_v4 import load_model
 
 VOCAB_SIZE = 129280  # DeepSeek-V4's (and V3's) vocabulary: the lm-head rows a mask covers
@@ -192,8 +192,7 @@ def main():
             bar.update()
         masks[name] = first, cached, per_batch
 
-    if not (BENCH / "config.json").exists():
-        write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, **BENCH_CONFIG)
+    ensure_bench()
     llm = LLM(load_model(BENCH, dtype), AutoTokenizer.from_pretrained(BENCH), **ENGINE)
     vocab = BENCH_CONFIG["vocab_size"]
     free = SamplingParams(temperature=0, max_tokens=a.decode_steps + 8, ignore_eos=True)

@@ -4,7 +4,7 @@ bench checkpoint (bench.py's ~200M-parameter DeepSeek-V4), in one run.
     python bench_vllm.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick] [--vllm-python PATH]
 
 vLLM runs in its own environment (PATH, default $NPU_COOKBOOK_VLLM_PYTHON or the repository's .venv-vllm; see the
-README's vLLM section) as a subprocess of this one: `vllm.LLM` on the same checkpoint (a folder of links to it
+recipe's SERVING.md, "vLLM") as a subprocess of this one: `vllm.LLM` on the same checkpoint (a folder of links to it
 whose config.json names the MoE layers as vLLM's DeepseekV4Config reads them), eager, the model selected by
 architecture name, its threads unbound (VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS = --threads, as this
 process's torch threads). It answers each timed generate call over a pipe, so the three sides take turns.
@@ -26,10 +26,10 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
-from bench import BENCH, BENCH_CONFIG, ENGINE, best_of, decode_tok_s, hf_generate, ours_generate
+from bench import BENCH, BENCH_CONFIG, ENGINE, best_of, ensure_bench, decode_tok_s, hf_generate, ours_generate
 from common import backend
 from common.engine import LLM
-from tiny_deepseek_v4 import publisher_config, write_tiny_checkpoint
+from tiny_deepseek_v4 import publisher_config
 from weights_deepseek_v4 import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,14 +109,13 @@ def main():
         "NPU_COOKBOOK_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python")), help="the vLLM environment's python")
     a = p.parse_args()
     if not a.vllm_python.exists():
-        p.error(f"no vLLM environment at {a.vllm_python}: build it as the README's vLLM section says, or pass "
+        p.error(f"no vLLM environment at {a.vllm_python}: build it as recipes/deepseek/SERVING.md (vLLM) says, or pass "
                 "--vllm-python")
     start = time.perf_counter()
     dtype, dtype_line = backend.resolve_dtype(a.dtype, None)
     print(f"{dtype_line}; {backend.cpu_model_name()}, {backend.cpu_description()}", flush=True)
     torch.set_num_threads(a.threads)
-    if not (BENCH / "config.json").exists():
-        write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, **BENCH_CONFIG)
+    ensure_bench()
     vocab = BENCH_CONFIG["vocab_size"]
     view = vllm_view(BENCH)
     log = view / "vllm.log"

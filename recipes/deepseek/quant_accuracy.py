@@ -29,12 +29,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from bench import BENCH, BENCH_CONFIG
+from bench import BENCH, ensure_bench
 from common import backend, ops
 from common.engine import LLM, SamplingParams
 from convert_checkpoint import convert
 from modeling_deepseek_v4 import MoE, QuantLinear, prefill_logits
-from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
 HERE = Path(__file__).resolve().parent
@@ -168,8 +167,8 @@ def main():
     torch.set_num_threads(a.threads)
     dtype, line = backend.resolve_dtype(a.dtype, None)
     print(f"{line}; {backend.cpu_description()}", flush=True)
-    if a.weights == BENCH and not (BENCH / "config.json").exists():
-        write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, **BENCH_CONFIG)
+    if a.weights == BENCH:
+        ensure_bench()
     paths = {fmt: ensure(getattr(a, fmt) or a.weights.with_name(f"{a.weights.name}-{fmt}"), fmt, a.weights,
                          a.group_size) for fmt in FORMATS}
     tok = AutoTokenizer.from_pretrained(a.weights)

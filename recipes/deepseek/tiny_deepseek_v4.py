@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from common.loader import quantize_fp8_block, quantize_mxfp4, save_checkpoint, write_tokenizer
 from config_deepseek_v4 import CSA, HCA, SLIDING, ModelArgs
@@ -187,15 +188,17 @@ def write_tiny_checkpoint(path, seed: int = 0, quantized: bool | str = True, max
     path = Path(path)
     vision_config = {**TINY_VISION_CONFIG, **overrides.pop("vision_config", {})}
     vocab_size = overrides.get("vocab_size", TINY_CONFIG["vocab_size"])
-    config = {**TINY_CONFIG, **({"vision_config": vision_config, "image_token_id": vocab_size - 1} if vision else {}),
+    write_tokenizer(path, vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE,
+                    extra_corpus=format_corpus(), last_special_tokens=(IMAGE_TOKEN,))
+    # the placeholder's id: the last one (vocab_size - 1) where the corpus fills the vocabulary (the tiny one)
+    image_token_id = Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id(IMAGE_TOKEN)
+    config = {**TINY_CONFIG, **({"vision_config": vision_config, "image_token_id": image_token_id} if vision else {}),
               **overrides}
     args = ModelArgs.from_config(config)
     state = random_state(args, seed)
     if quantized:
         state = quantize(state, fp8_mxfp4=quantized is True)
     save_checkpoint(path, state, publisher_config(config), max_shard_bytes=max_shard_bytes)
-    write_tokenizer(path, vocab_size=args.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE,
-                    extra_corpus=format_corpus(), last_special_tokens=(IMAGE_TOKEN,))
     (path / REVISION_FILE).write_text(f"{TINY_REVISION}\n")
     return path
 

@@ -32,12 +32,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from bench import BENCH, BENCH_CONFIG
+from bench import BENCH, ensure_bench
 from common.engine import LLM, SamplingParams
 from common.engine.forward_batch import ForwardBatch
 from common.loader.checkpoint import INDEX
 from modeling_deepseek_v4 import MTPBlock, make_ropes
-from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
 BLOCK = 128
@@ -91,8 +90,8 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     out = a.out or a.weights.with_name(a.weights.name + "-mtp")
-    if a.weights == BENCH and not (BENCH / "config.json").exists():
-        write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, **BENCH_CONFIG)
+    if a.weights == BENCH:
+        ensure_bench()
     model = load_model(a.weights, torch.float32)
     model.requires_grad_(False)
     print(f"1. generating {a.sequences} sequences of {a.length} tokens", flush=True)

