@@ -4,17 +4,16 @@ checkpoint, in one run (`--model deepseek-v3`: the MLA bench, bench_deepseek_v3.
     python bench.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
     python bench.py --model deepseek-v3 [same options] [--vllm-python PATH] [--vllm-eager] [--profile]
 
-Writes the checkpoint once (weights/deepseek-v4-bench, bf16, hidden 1024, every layer kind), loads it in --dtype
-for both sides (auto: common.backend.default_dtype(): bf16 where the CPU's oneDNN runs bf16, else fp32), then
-measures: decode tok/s at batch 1 and 16 (128-token prompts, 128 new tokens; decode = generate(128) -
-generate(1), the same for both sides); a mixed workload (--mixed-requests, 64, prompt and output lengths uniform in [32,
-512], fixed seed) in total tok/s, transformers in static batches of 16; and the batch-1 decode roofline: active
-weight bytes per token (in the run's dtype) over the memory read bandwidth measured here by reading a buffer of the
-run's dtype at the run's thread count. Each row keeps each side's best of --repeats alternating runs. The graph
-column is a second engine (its own copy of the model) with exe_mode graph: its start-up compile is timed, and so
-is a second start in a fresh process (inductor's on-disk cache warm). Prints the CPU (model and ISA), a progress
-bar while it measures, a table, one line of ratios and its wall time.
-"""
+Writes the checkpoint once (weights/deepseek-v4-bench, bf16, hidden 1024, every layer kind), loads it in --dtype for
+both sides (auto: common.backend.default_dtype(): bf16 where the CPU's oneDNN runs bf16, else fp32), then measures:
+decode tok/s at batch 1 and 16 (128-token prompts, 128 new tokens; decode = generate(128) - generate(1), the same for
+both sides); a mixed workload (--mixed-requests, default 64, prompt and output lengths uniform in [32,
+--mixed-max-len, default 512], fixed seed) in total tok/s, transformers in static batches of 16; and the batch-1
+decode roofline: active weight bytes per token (in the run's dtype) over the memory read bandwidth measured here by
+reading a buffer of the run's dtype at the run's thread count. Each row keeps each side's best of --repeats
+alternating runs. The graph column is a second engine (its own copy of the model) with exe_mode graph: its start-up
+compile is timed, and so is a second start in a fresh process (inductor's on-disk cache warm). Prints the CPU (model
+and ISA), a progress bar while it measures, a table, one line of ratios and its wall time."""
 from __future__ import annotations
 
 import argparse
@@ -181,16 +180,16 @@ def main():
                    "CPU default, torch.compile'd)")
     p.add_argument("--profile", action="store_true", help="deepseek-v3: print the top ops of a batch-16 decode "
                    "step, the engine's and transformers'")
-    p.add_argument("--mixed-requests", type=int, default=64, help="requests of the mixed workload (--quick: 16)")
-    p.add_argument("--mixed-max-len", type=int, default=512, help="the mixed workload's prompt and output lengths "
-                   "are uniform in [32, this] (--quick: 96); transformers runs it in static batches of 16, which "
-                   "on a slow CPU is most of the bench's time")
+    p.add_argument("--mixed-requests", type=int, help="requests of the mixed workload (default 64; --quick: 16)")
+    p.add_argument("--mixed-max-len", type=int, help="the mixed workload's prompt and output lengths are uniform in "
+                   "[32, this] (default 512; --quick: 96); transformers runs it in static batches of 16, which on a "
+                   "slow CPU is most of the bench's time")
     p.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)  # second_start's process
     a = p.parse_args()
+    a.mixed_requests = a.mixed_requests if a.mixed_requests is not None else (16 if a.quick else 64)
+    a.mixed_max_len = a.mixed_max_len if a.mixed_max_len is not None else (96 if a.quick else 512)
     if a.mixed_requests < 1 or a.mixed_max_len < 32:
         p.error("--mixed-requests must be >= 1 and --mixed-max-len >= 32")
-    if a.quick:
-        a.mixed_requests, a.mixed_max_len = 16, 96
     if a.model == "deepseek-v3":
         import bench_deepseek_v3
         return bench_deepseek_v3.main(a)

