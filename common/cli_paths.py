@@ -1,8 +1,8 @@
 """Path arguments of the recipes' command lines, resolved against the folder the user ran the command from.
 
 Every `run.sh` changes into its recipe folder before starting Python, and first records the caller's folder in
-NPU_COOKBOOK_CALLER_DIR (kept as it is when a recipe starts another `run.sh`, as serve_dp.py does for its
-instances). A script started without `run.sh` has the working directory as its caller's folder.
+NPU_COOKBOOK_CALLER_DIR (kept as it is when a recipe starts another `run.sh`, as common/serving/serve_dp.py does
+for its instances). A script started without `run.sh` has the working directory as its caller's folder.
 
 - A path the command reads (`input_path(recipe_dir)`): absolute as given; relative: from the caller's folder when
   it exists there, else from the recipe folder when it exists there (the READMEs' `--config configs/X.yaml`), else

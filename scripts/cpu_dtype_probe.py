@@ -15,7 +15,7 @@ copies of its weight that outgrow the last-level cache, as a step that reads eve
 with its count per step, in four ways: fp32; bf16 (F.linear on bf16, what the DiTs run); bf16 packed (the weight in
 oneDNN's blocked layout, what common/cpu_gemm gives the deepseek engine; only where oneDNN has bf16 kernels); bf16
 storage with fp32 compute (weights kept bf16, upcast in every GEMM). The shapes:
-- deepseek: recipes/deepseek/bench.py's model (hidden 1024, 8 layers, 12 experts top-2), every nn.Linear, the
+- deepseek: recipes/deepseek/bench/bench.py's model (hidden 1024, 8 layers, 12 experts top-2), every nn.Linear, the
   router, the grouped o-projection and the routed experts (tokens spread evenly), for a decode step of 1 and of 16
   sequences and a 512-token prefill chunk (logits of its last token only);
 - hunyuan-video / magihuman: the GEMMs one forward of the bench DiT issues at the bench's size, recorded from the

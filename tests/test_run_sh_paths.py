@@ -94,7 +94,7 @@ def test_readme_paths_relative_to_the_recipe_folder_still_work(tmp_path):
 
 
 def test_a_run_sh_started_by_a_recipe_keeps_the_first_callers_folder(tmp_path):
-    # serve_dp.py starts its instances' run.sh from the recipe folder with the same arguments
+    # common/serving/serve_dp.py starts its instances' run.sh from the recipe folder with the same arguments
     r = run("hstu", "--config", "recipes/hstu/configs/tiny-cpu.yaml", "--batch-users", 0, cwd=tmp_path,
             env={CALLER_DIR_ENV: str(ROOT)})
     assert one_line_error(r, "--batch-users 0"), r.stderr

@@ -87,7 +87,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.view(torch.int8), scale.squeeze(-1).to(MX_SCALE_DTYPE)
 
 
-# Integer weights of the W8A8 / W4A8 checkpoints recipes/deepseek/convert_checkpoint.py writes; symmetric,
+# Integer weights of the W8A8 / W4A8 checkpoints recipes/deepseek/tools/convert_checkpoint.py writes; symmetric,
 # w = q * scale.
 # int8 per channel: int8 [..., N, K], fp32 scale [..., N] (amax over K / 127).
 # int4 per group: int8 [..., N, K/2], two int4 (-8..7) per byte along K, low nibble first; fp32 scale [..., N, K/G]

@@ -18,7 +18,6 @@ from common.engine.config import EXE_MODES
 from common.loader import Checkpoint, CheckpointError
 from common.offload import HOST_BACKENDS, PLACEMENTS, MoEOffloadConfig
 from model_family import FAMILIES, family_of_config, load_tokenizer
-from modeling_deepseek_v4 import check_offload
 
 HERE = Path(__file__).resolve().parent
 TINY = FAMILIES["deepseek-v4"].tiny
@@ -92,8 +91,8 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
         try:
             args = a.family.model_args(Checkpoint(path).config)
             a.family.check_layout(args, a.layout)
-            if a.offload is not None:  # (V4 alone offloads)
-                check_offload(args, a.layout, a.offload.resident_experts)
+            if a.offload is not None:  # (a family that offloads: checked before)
+                a.family.check_offload(args, a.layout, a.offload.resident_experts)
             check_quantization(a, args, path)
         except (CheckpointError, ValueError) as e:
             p.error(f"--config {a.config.name}: {e}")
@@ -266,7 +265,7 @@ def check_quantization(a: argparse.Namespace, args, path) -> None:
     if expected is not None and expected != held:
         name = {"none": "float"}
         raise ValueError(f"the preset runs {name.get(expected, expected)} weights, but {path} holds "
-                         f"{name.get(held, held)} weights" + (f" (convert it: python convert_checkpoint.py --quant "
+                         f"{name.get(held, held)} weights" + (f" (convert it: python tools/convert_checkpoint.py --quant "
                                                                f"{expected} SRC DST)" if expected != "none" else ""))
 
 

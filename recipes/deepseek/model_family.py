@@ -35,8 +35,12 @@ class ModelFamily:
     write_tiny: Callable  # (path): the tiny random checkpoint
     tiny_is_current: Callable  # (path): written by this revision of the writer
     chat_format: Callable | None = None  # () -> the server's ChatFormat; None: the tokenizer's chat template
-    supports_offload: bool = False
+    check_offload: Callable | None = None  # (args, layout, resident_experts): ValueError; None: no MoE offload
     tiny_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def supports_offload(self) -> bool:
+        return self.check_offload is not None
 
     @property
     def tiny(self) -> Path:
@@ -52,7 +56,7 @@ class ModelFamily:
 V4 = ModelFamily("deepseek-v4", ("deepseek_v4",), config_deepseek_v4.ModelArgs.from_config,
                  modeling_deepseek_v4.check_layout, weights_deepseek_v4.load_model, weights_deepseek_v4.check_fits,
                  tiny_deepseek_v4.write_tiny_checkpoint, tiny_deepseek_v4.is_current,
-                 chat_format=DeepseekV4ChatFormat, supports_offload=True)
+                 chat_format=DeepseekV4ChatFormat, check_offload=modeling_deepseek_v4.check_offload)
 V3_FAMILY = [ModelFamily(name, types, config_deepseek_v3.ModelArgs.from_config, modeling_deepseek_v3.check_layout,
                          weights_deepseek_v3.load_model, weights_deepseek_v3.check_fits,
                          tiny_deepseek_v3.write_tiny_checkpoint, tiny_deepseek_v3.is_current,

@@ -12,8 +12,9 @@ export NPU_COOKBOOK_CALLER_DIR="${NPU_COOKBOOK_CALLER_DIR:-$PWD}"
 cd "$(dirname "$0")"
 if [[ "${1:-}" == "--serve" ]]; then
   shift
-  for arg in "$@"; do  # --dp N / --pd P:D: several server instances behind the router (serve_dp.py)
-    [[ "$arg" == --dp || "$arg" == --dp=* || "$arg" == --pd || "$arg" == --pd=* ]] && exec python serve_dp.py "$@"
+  for arg in "$@"; do  # --dp N / --pd P:D: several server instances behind the router (common/serving/serve_dp.py)
+    [[ "$arg" == --dp || "$arg" == --dp=* || "$arg" == --pd || "$arg" == --pd=* ]] \
+      && exec python -m common.serving.serve_dp --command "bash $(printf %q "$PWD/run.sh") --serve" "$@"
   done
   exec python serve.py "$@"
 fi

@@ -24,8 +24,10 @@ import torch
 from common.loader import quantize_fp8_block, save_checkpoint, write_tokenizer
 from config_deepseek_v3 import ModelArgs
 from modeling_deepseek_v3 import DeepseekV3
-from tiny_deepseek_v4 import SPECIAL_TOKENS
 
+# DeepSeek's special tokens (V3 / R1 and V4 write the same), ids 0, 1, ... in this order (config bos / eos ids)
+SPECIAL_TOKENS = {"bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>", "user": "<｜User｜>",
+                  "assistant": "<｜Assistant｜>", "think": "<think>", "end_think": "</think>"}
 # DeepSeek-V3's chat template, the turns only (the published one also renders its tool-call tokens; tools are not
 # served for this family): system text first, then <｜User｜> / <｜Assistant｜> turns, each answer closed by EOS.
 CHAT_TEMPLATE = (

@@ -12,7 +12,7 @@ import pytest
 from serving_harness import free_port
 from test_serve_subprocess import RUN_SH, wait_healthy
 
-README = Path(__file__).resolve().parents[2] / "recipes" / "deepseek" / "SERVING.md"
+README = Path(__file__).resolve().parents[2] / "recipes" / "deepseek" / "docs" / "SERVING.md"
 SECTIONS = ("## Tool calling and structured output", "## /v1/responses")
 
 

@@ -21,7 +21,7 @@ from convert_checkpoint import convert, main
 from tiny_deepseek_v4 import write_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "recipes" / "deepseek" / "convert_checkpoint.py"
+SCRIPT = ROOT / "recipes" / "deepseek" / "tools" / "convert_checkpoint.py"
 PUBLISHED_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
                  "weight_block_size": [128, 128]}  # the published V4 config's entry
 
@@ -270,7 +270,7 @@ def test_peak_memory_stays_near_one_tensor(tmp_path):
     del state
     # a fixed mmap threshold: glibc returns every freed tensor to the system, so RSS follows the live tensors
     # (with its adaptive threshold, freed heap memory stays resident: a plateau of 25-70 MiB here, not growing)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'recipes' / 'deepseek'}:{ROOT}", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'recipes' / 'deepseek' / 'tools'}:{ROOT / 'recipes' / 'deepseek'}:{ROOT}", "MALLOC_MMAP_THRESHOLD_": "65536"}
     r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "src"), str(tmp_path / "out")],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr

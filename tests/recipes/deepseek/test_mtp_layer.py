@@ -107,7 +107,7 @@ def test_train_mtp_writes_a_checkpoint_the_engine_speculates_with(ckpts, tmp_pat
 
     from common.engine import LLM, SamplingParams
 
-    script = Path(__file__).resolve().parents[3] / "recipes" / "deepseek" / "train_mtp.py"
+    script = Path(__file__).resolve().parents[3] / "recipes" / "deepseek" / "bench" / "train_mtp.py"
     out = tmp_path / "with-mtp"
     r = subprocess.run([sys.executable, str(script), "--weights", str(ckpts["none"]), "--out", str(out),
                         "--sequences", "8", "--length", "48", "--minutes", "0.05"],

@@ -127,7 +127,7 @@ def test_real_flash_config_on_the_a3_layout():
 
 
 def run_plan(*args):
-    return subprocess.run([sys.executable, "plan.py", *map(str, args)], cwd=RECIPE, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "tools/plan.py", *map(str, args)], cwd=RECIPE, capture_output=True, text=True,
                           timeout=300)
 
 

@@ -17,7 +17,7 @@ from quant_accuracy import OpErrors, common_prefix
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
-CONVERT = Path(__file__).resolve().parents[3] / "recipes" / "deepseek" / "convert_checkpoint.py"
+CONVERT = Path(__file__).resolve().parents[3] / "recipes" / "deepseek" / "tools" / "convert_checkpoint.py"
 PROMPTS = [[5, 9, 30, 41, 7, 300, 12, 12, 99, 3, 4], [17, 18, 19, 20], [200, 201, 3, 4, 5, 6, 7, 8, 9, 10, 11, 40]]
 
 

@@ -205,7 +205,7 @@ def readme_serve_command() -> tuple[dict, list[str]]:
     repeats word for word: (its environment variables, its argv)."""
     guide = (ROOT / "recipes" / "deepseek" / "vllm_plugin" / "README.md").read_text()
     block = guide.split("## Serve", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    assert block in (ROOT / "recipes" / "deepseek" / "SERVING.md").read_text(), "the two guides' commands differ"
+    assert block in (ROOT / "recipes" / "deepseek" / "docs" / "SERVING.md").read_text(), "the two guides' commands differ"
     words = shlex.split(block.replace("\\\n", " "))
     env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
     return env, [w for w in words if not re.fullmatch(r"[A-Z_]+=\S*", w)]

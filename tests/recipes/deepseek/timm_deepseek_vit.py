@@ -4,7 +4,7 @@
 `import timm` imports torchvision (FrozenBatchNorm2d for its BatchNorm models, transforms and datasets for its data
 pipeline), and PyPI has no torchvision that imports beside the project's CPU torch 2.13 (its build links CUDA
 torch). deepseek_vit runs none of that, so where torchvision does not import, this process gives `import timm` a
-stand-in package holding the names timm reads at import time (recipes/deepseek/timm_import.py; a separate
+stand-in package holding the names timm reads at import time (recipes/deepseek/tools/timm_import.py; a separate
 process: nothing else sees it).
 
     python timm_deepseek_vit.py TENSORS.safetensors DIMS.json IMAGES.safetensors OUT.safetensors
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes" / "deepseek"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes" / "deepseek" / "tools"))
 from timm_import import import_timm  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Structured output's cost: the grammar mask per decode step at DeepSeek-V4's vocabulary size, and the engine's
 decode tok/s with a grammar on and off, in one run.
 
-    python bench_structured_output.py [--threads 2] [--steps 64] [--decode-steps 64] [--prompt-len 128]
+    python bench/bench_structured_output.py [--threads 2] [--steps 64] [--decode-steps 64] [--prompt-len 128]
                                       [--repeats 2] [--dtype auto] [--quick]
 
 Masks: the engine's own path (common/engine/structured_output.py, as LLMEngine uses it): one StructuredOutputManager
@@ -40,7 +40,7 @@ from common import backend
 from common.engine import LLM, SamplingParams
 from common.engine.sampling_params import StructuredOutputsParams
 from common.engine.structured_output import StructuredOutputManager
-from bench import BENCH, BENCH_CONFIG, ensure_bench, prompts
+from bench_utils import BENCH, BENCH_CONFIG, ensure_bench, prompts
 from chat_format_deepseek_v4 import DeepseekV4ChatFormat
 from tiny_deepseek_v4 import SPECIAL_TOKENS
 from weights_deepseek_v4 import load_model

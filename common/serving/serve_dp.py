@@ -1,10 +1,11 @@
 """Several server instances on one machine behind the router, one OpenAI endpoint: data parallel (--dp N) or
 prefill/decode disaggregated (--pd P:D).
 
-    python serve_dp.py --dp N [--host 127.0.0.1] [--port 8000] [--devices 0,1,...] [run.sh serve options...]
-    python serve_dp.py --pd P:D [--host 127.0.0.1] [--port 8000] [--devices ...] [run.sh serve options...]
+    python -m common.serving.serve_dp --command "bash recipes/X/run.sh --serve" --dp N [--host 127.0.0.1]
+        [--port 8000] [--devices 0,1,...] [run.sh serve options...]
+    python -m common.serving.serve_dp --command "..." --pd P:D [same options]
 
---dp N starts `bash run.sh --serve --port P_i <options>` for i = 1..N (P_i = port + i). --pd P:D starts P prefill
+--dp N starts `<command> --port P_i <options>` for i = 1..N (P_i = port + i). --pd P:D starts P prefill
 instances (`--pd-role prefill`, ports port+1 .. port+P) and D decode instances (`--pd-role decode --pd-bootstrap`
 every prefill instance, the next D ports). It waits until each answers `/health`, then starts
 `python -m common.serving.router` on --host:--port in front of them (with --pd: `--prefill` the P instances,
@@ -15,8 +16,8 @@ exits with that child's code. Options it does not know (--weights, --config, ...
 Each instance gets OMP_NUM_THREADS = cores / instances unless it is set, and with --devices 0,1,... instance i
 sees only device i (ASCEND_RT_VISIBLE_DEVICES; with --pd the P instances come first).
 
-`bash run.sh --serve --dp N ...` and `bash run.sh --serve --pd P:D ...` come here (a --serve it is given is
-dropped; the rest is passed on).
+A recipe's `bash run.sh --serve --dp N ...` and `bash run.sh --serve --pd P:D ...` come here with --command naming
+that run.sh (a --serve it is given is dropped; the rest is passed on).
 """
 from __future__ import annotations
 
@@ -30,8 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the router runs `python -m common.serving.router` there
 
 
 def healthy(url: str) -> bool:
@@ -43,7 +43,7 @@ def healthy(url: str) -> bool:
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="serve_dp.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="run.sh --serve", description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--dp", type=int, help="number of server instances")
     mode.add_argument("--pd", help="P:D, numbers of prefill and decode instances (PD disaggregation)")
@@ -52,8 +52,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--devices", help="comma-separated device ids, one per instance")
     p.add_argument("--health-interval", type=float, default=1.0)
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every /health")
-    p.add_argument("--command", default=f"bash {shlex.quote(str(HERE / 'run.sh'))} --serve",
-                   help="how to start one instance (--port P is appended)")
+    p.add_argument("--command", required=True, help="how to start one instance, e.g. 'bash recipes/X/run.sh "
+                   "--serve' (--port P and the other options are appended)")
     a, rest = p.parse_known_args(argv)
     if a.pd is not None:
         try:

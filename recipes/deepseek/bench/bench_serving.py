@@ -1,6 +1,6 @@
 """Serving benchmark over the OpenAI API: TTFT, TPOT, inter-token latency and throughput under load.
 
-    python bench_serving.py [--base-url http://127.0.0.1:8000/v1] [--api-key K] [--model NAME]
+    python bench/bench_serving.py [--base-url http://127.0.0.1:8000/v1] [--api-key K] [--model NAME]
                             [--concurrency 16 | --request-rate R] [--num-prompts 64]
                             [--input-len 128] [--output-len 128] [--seed 0] [--prompts FILE [--chat]]
                             [--launch [--weights DIR] [--config C] [--port P]] [--offline-baseline] [--json OUT]
@@ -45,8 +45,8 @@ import numpy as np
 from openai import AsyncOpenAI
 from tqdm import tqdm
 
-HERE = Path(__file__).resolve().parent
-BENCH = HERE.parents[1] / "weights" / "deepseek-v4-bench"  # = bench.BENCH, without importing torch for it
+RECIPE = Path(__file__).resolve().parents[1]
+BENCH = RECIPE.parents[1] / "weights" / "deepseek-v4-bench"  # = bench_utils.BENCH, without importing torch for it
 
 
 @dataclass
@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, help="one prompt per line instead of random token ids")
     p.add_argument("--chat", action="store_true", help="with --prompts: the chat completions endpoint")
     p.add_argument("--weights", type=Path, default=BENCH, help="checkpoint for --launch / --offline-baseline")
-    p.add_argument("--config", type=Path, default=HERE / "configs" / "bench-cpu.yaml", help="deployment preset")
+    p.add_argument("--config", type=Path, default=RECIPE / "configs" / "bench-cpu.yaml", help="deployment preset")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--launch", action="store_true", help="start the server (run.sh --serve) for the run")
     p.add_argument("--launch-timeout", type=float, default=600.0)
@@ -289,7 +289,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 def launch(a, pd: str | None = None) -> subprocess.Popen:
     ensure_checkpoint(a.weights)
-    cmd = ["bash", str(HERE / "run.sh"), "--serve", "--weights", str(a.weights), "--config", str(a.config),
+    cmd = ["bash", str(RECIPE / "run.sh"), "--serve", "--weights", str(a.weights), "--config", str(a.config),
            "--port", str(a.port)] + (["--pd", pd] if pd else [])
     if a.api_key and a.api_key != "EMPTY":
         cmd += ["--api-key", a.api_key]

@@ -1,7 +1,7 @@
 """MoE offload on this CPU, one run: decode all-resident vs offloaded, the host experts against the read bandwidth,
 and the hit rate of each placement.
 
-    python bench_offload.py [--quick] [--threads 2] [--layers 2] [--experts 32] [--decode-tokens 16]
+    python bench/bench_offload.py [--quick] [--threads 2] [--layers 2] [--experts 32] [--decode-tokens 16]
                             [--backends torch kt] [--routing-file PATH]
 
 The bench checkpoint: sized_deepseek_v4.py's V4-Flash dimensions (hidden 4096, experts of 2048, top-6: 12.75 MiB an
@@ -42,12 +42,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench_utils import RECIPE, WEIGHTS
 from common import backend
 from common.offload import load_routing_counts
 from tiny_deepseek_v4 import TINY_CONFIG
 
-HERE = Path(__file__).resolve().parent
-WEIGHTS = HERE.parents[1] / "weights"
 FRACTIONS = (0.0, 0.125, 0.25)
 BATCHES = (1, 4)
 PROMPT_LEN, NUM_TRACE_PROMPTS = 32, 6
@@ -208,7 +207,7 @@ WORKERS = {"host": host_worker, "engine": engine_worker, "trace": trace_worker, 
 def run_worker(spec: dict, threads: int) -> dict:
     """spec in a fresh process (this file's --worker); its JSON result."""
     cmd = [sys.executable, __file__, "--threads", str(threads), "--worker", json.dumps(spec)]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=RECIPE)
     if r.returncode:
         raise RuntimeError(f"bench worker {spec['kind']} failed:\n{r.stderr[-3000:]}")
     return json.loads(next(line for line in reversed(r.stdout.splitlines()) if line.startswith("{")))

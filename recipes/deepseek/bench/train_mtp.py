@@ -2,7 +2,7 @@
 with it (`mtp.0.*`, num_nextn_predict_layers 1): what makes the bench's speculative decoding meaningful (a random
 MTP layer accepts almost nothing).
 
-    python train_mtp.py [--weights DIR] [--out DIR] [--minutes 3] [--sequences 48] [--length 192] [--threads 2]
+    python bench/train_mtp.py [--weights DIR] [--out DIR] [--minutes 3] [--sequences 48] [--length 192] [--threads 2]
 
 DIR defaults to the bench checkpoint (written if absent), --out to DIR-mtp. Steps:
 1. text: --sequences prompts of 32 random tokens, continued greedily by the engine to --length tokens;
@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from bench import BENCH, ensure_bench
+from bench_utils import BENCH, ensure_bench
 from common.engine import LLM, SamplingParams
 from common.engine.forward_batch import ForwardBatch
 from common.loader.checkpoint import INDEX
@@ -163,7 +163,7 @@ def main():
     (out / "mtp_training.json").write_text(json.dumps({"steps": step, "held_out_acceptance": rate,
                                                        "minutes": a.minutes, "sequences": a.sequences,
                                                        "length": a.length}) + "\n")
-    print(f"5. wrote {out} (mtp.safetensors + {INDEX}); python bench_mtp.py reads it", flush=True)
+    print(f"5. wrote {out} (mtp.safetensors + {INDEX}); python bench/bench_mtp.py reads it", flush=True)
 
 
 if __name__ == "__main__":

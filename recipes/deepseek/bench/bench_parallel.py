@@ -1,6 +1,6 @@
 """What the distributed executor costs per rank on this machine: memory and communication, not speed.
 
-    python bench_parallel.py [--ranks 1 2 4] [--batch 8] [--new-tokens 16]
+    python bench/bench_parallel.py [--ranks 1 2 4] [--batch 8] [--new-tokens 16]
 
 For each world size, torchrun starts that many gloo ranks on the bench checkpoint (weights/deepseek-v4-bench,
 written by bench.py; bf16), laid out as upstream's V4 layouts are: attention DP over all ranks, the experts over
@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 def worker(a) -> None:
     from transformers import AutoTokenizer
 
-    from bench import BENCH
+    from bench_utils import BENCH
     from common import parallel as par
     from common.engine import LLM, SamplingParams
     from weights_deepseek_v4 import load_model
@@ -68,7 +68,7 @@ def worker(a) -> None:
 def computed_bytes_per_token(world: int) -> float:
     """Expert dispatch + combine per token over all MoE layers, bf16, with the bench model's shape: each token's
     k rows of D go to their experts' ranks and come back; (P-1)/P of the experts live elsewhere."""
-    from bench import BENCH_CONFIG
+    from bench_utils import BENCH_CONFIG
     D, k, L = BENCH_CONFIG["hidden_size"], BENCH_CONFIG["num_experts_per_tok"], BENCH_CONFIG["num_hidden_layers"]
     return L * 2 * k * D * 2 * (world - 1) / world
 
@@ -82,7 +82,7 @@ def main():
     a = p.parse_args()
     if a.worker:
         return worker(a)
-    from bench import ensure_bench
+    from bench_utils import ensure_bench
     ensure_bench()
     rows = []
     for world in tqdm(a.ranks, desc="world sizes", unit="run"):

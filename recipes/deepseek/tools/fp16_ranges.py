@@ -1,6 +1,6 @@
 """Per-layer activation maxima of an MLA checkpoint (DeepSeek-V3 / R1, V3.2, Kimi-K2) against fp16's range.
 
-    python recipes/deepseek/fp16_ranges.py [--weights DIR] [--prompt-len 64] [--prompts 4]
+    python recipes/deepseek/tools/fp16_ranges.py [--weights DIR] [--prompt-len 64] [--prompts 4]
 
 Runs the model in fp32 (nothing clips) over random prompts and prints, per decoder layer, the largest magnitude
 of what an fp16 engine would hold in fp16, as a fraction of fp16's max 65504:
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipe's modules (a tool runs from tools/)
 from common import ops
 from common.engine.forward_batch import ForwardBatch
 from modeling_deepseek_v3 import LATENT, MoE, DeepseekV3

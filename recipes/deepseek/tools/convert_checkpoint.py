@@ -1,9 +1,9 @@
 """Convert a DeepSeek-V4 checkpoint to integer weights, W8A8 or W4A8, or a DeepSeek-V3 / R1 / V3.2 / Kimi-K2
 (MLA) one to W8A8, tensor by tensor.
 
-    python recipes/deepseek/convert_checkpoint.py --quant w8a8 /data/DeepSeek-V4-Flash /data/DeepSeek-V4-Flash-w8a8
-    python recipes/deepseek/convert_checkpoint.py --quant w4a8 --group-size 32 SRC DST
-    python recipes/deepseek/convert_checkpoint.py --quant w8a8 /data/DeepSeek-V3-0324 /data/DeepSeek-V3-0324-w8a8
+    python recipes/deepseek/tools/convert_checkpoint.py --quant w8a8 /data/DeepSeek-V4-Flash /data/DeepSeek-V4-Flash-w8a8
+    python recipes/deepseek/tools/convert_checkpoint.py --quant w4a8 --group-size 32 SRC DST
+    python recipes/deepseek/tools/convert_checkpoint.py --quant w8a8 /data/DeepSeek-V3-0324 /data/DeepSeek-V3-0324-w8a8
 
 The MLA family (config.json model_type deepseek_v3, deepseek_v32, kimi_k2; the Atlas 300I Duo / 310P deployment):
 w8a8 only. Every linear of a decoder layer (MTP layers too) is int8 per output channel: q_a_proj / q_b_proj (or

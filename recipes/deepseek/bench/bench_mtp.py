@@ -1,6 +1,6 @@
 """Decode speed with MTP speculative decoding, k = 0, 1, 3 drafts a step, side by side in one run.
 
-    python bench_mtp.py [--weights DIR] [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
+    python bench/bench_mtp.py [--weights DIR] [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
 
 DIR: a checkpoint with a trained MTP layer, default the bench checkpoint's (weights/deepseek-v4-bench-mtp, which
 train_mtp.py writes: a random MTP layer accepts almost nothing). Per k and batch (1, 16): greedy decode tok/s
@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from bench import BENCH, decode_tok_s, ours_generate
+from bench_utils import BENCH, decode_tok_s, ours_generate
 from common import backend
 from common.engine import LLM
 from weights_deepseek_v4 import load_model
@@ -39,7 +39,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="16 new tokens, one repeat (a smoke run)")
     a = p.parse_args()
     if not (a.weights / "config.json").exists():
-        p.error(f"--weights {a.weights}: no checkpoint there (python train_mtp.py writes the bench one)")
+        p.error(f"--weights {a.weights}: no checkpoint there (python bench/train_mtp.py writes the bench one)")
     start = time.perf_counter()
     torch.set_num_threads(a.threads)
     dtype, line = backend.resolve_dtype(a.dtype, None)

@@ -7,7 +7,7 @@ with the tiny tokenizer. Written one tensor at a time (memory: about one shard);
 MXFP4 directly (random e2m1 codes, one power-of-two scale per 32 inputs, sized so a row's values have a standard
 deviation near 1/sqrt(fan-in)), never as floats.
 
-    python sized_deepseek_v4.py OUT [--layers 4] [--experts 144] [--vocab 512] [--mtp-layers 0] [--dry-run]
+    python tools/sized_deepseek_v4.py OUT [--layers 4] [--experts 144] [--vocab 512] [--mtp-layers 0] [--dry-run]
 
 It first prints the sizes: the weights in bf16 (an all-resident bf16 load), the MXFP4 experts (what the host
 holds with --offload-experts), and the disk the checkpoint takes; it refuses when the disk has less free.
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipe's modules (a tool runs from tools/)
 from common.loader import save_checkpoint_lazily, write_tokenizer
 from common.loader.quant import E2M1, MX_GROUP, MX_SCALE_DTYPE
 from config_deepseek_v4 import ModelArgs

@@ -1,13 +1,13 @@
 """Deployment plan for DeepSeek-V4 and DeepSeek-V3 (MLA), without weights: what one rank holds and how much KV
 cache fits beside it.
 
-    python plan.py --config configs/atlas-a3-flash.yaml [--model flash|pro|tiny|v3|v3-tiny] [--weights DIR]
+    python tools/plan.py --config configs/atlas-a3-flash.yaml [--model flash|pro|tiny|v3|v3-tiny] [--weights DIR]
                    [--dtype bf16|fp16|fp32|auto] [--world-size N] [--device a3|910b|950dt|h200|300i-duo|none]
                    [--device-memory-gib G] [--reserve-fraction F]
-    python plan.py --config configs/single-device-flash-offload.yaml [--offload-experts N] [--device ...]
+    python tools/plan.py --config configs/single-device-flash-offload.yaml [--offload-experts N] [--device ...]
                    [--graph-headroom-gib G]
-    python plan.py --config configs/atlas-300i-duo-v3-tp8-ep32.yaml   # DeepSeek-V3 671B, 20 x Atlas 300I Duo
-    python plan.py --config configs/atlas-a3-v3.yaml                   # DeepSeek-V3 671B, 16 Atlas A3 dies
+    python tools/plan.py --config configs/atlas-300i-duo-v3-tp8-ep32.yaml   # DeepSeek-V3 671B, 20 x Atlas 300I Duo
+    python tools/plan.py --config configs/atlas-a3-v3.yaml                   # DeepSeek-V3 671B, 16 Atlas A3 dies
 
 The model is built on the meta device (nothing is allocated) for the real config and the preset's parallel layout,
 as rank 0 of that layout (a Parallel without process groups; every rank holds the same amount). Printed, per rank:
@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipe's modules (a tool runs from tools/)
 from common import backend
 from common import parallel as par
 from common.engine import EngineConfig
