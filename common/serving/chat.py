@@ -3,9 +3,11 @@
 
 Tool calls: the tools ride in the prompt as the chat format renders them (tool_choice "none" leaves them out); the
 generated markup is parsed into `tool_calls` (streamed per complete argument, finish_reason "tool_calls"), never
-into content. tool_choice "required" or a named function, strict tools and parallel_tool_calls false are forced by
-the format's tool-call grammar; response_format json_object / json_schema and the structured_outputs extension by
-theirs. In thinking mode no constraint applies until the reasoning has ended."""
+into content. A call cut by max_tokens keeps what was generated (finish_reason "length"): its arguments are "{" and
+the complete parameters, unclosed, in the whole answer as in the stream. tool_choice "required" or a named function,
+strict tools and parallel_tool_calls false are forced by the format's tool-call grammar; response_format json_object
+/ json_schema and the structured_outputs extension by theirs. In thinking mode no constraint applies until the
+reasoning has ended."""
 from __future__ import annotations
 
 import time

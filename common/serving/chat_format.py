@@ -21,7 +21,8 @@ class ChatFormatError(ValueError):
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One parsed call: arguments is a JSON object string."""
+    """One parsed call: arguments is a JSON object string, or its unclosed start when the text ended inside the call
+    (max_tokens): what was generated, never a "}" or a value that was not."""
     id: str
     name: str
     arguments: str

@@ -131,10 +131,16 @@ class OpenAIServing:
 
     @staticmethod
     def usage(prompts: list[list[int]], finals: dict) -> dict:
+        """OpenAI usage of the choices finals[i] (n a prompt, prompt-major). A prompt counts once; its cached_tokens
+        (prompt_tokens_details) are the prefix-cache hits of its first choice (vLLM's RequestOutput.num_cached_tokens:
+        whole blocks, at the request's first scheduling; under PD, the prefill instance's)."""
+        n = max(1, len(finals) // max(1, len(prompts)))
         prompt_tokens = sum(len(p) for p in prompts)
         completion_tokens = sum(len(o.token_ids) for o in finals.values())
+        cached_tokens = sum(finals[i].num_cached_tokens for i in range(0, len(prompts) * n, n) if i in finals)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     async def unless_disconnected(self, raw: Request, work):
         """work's result, or None when the client left first (its engine requests are aborted)."""

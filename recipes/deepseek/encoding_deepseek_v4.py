@@ -30,9 +30,12 @@ Rules for text the publisher's parser rejects (here nothing raises and no DSML m
   `parameter` tags count: other text and unknown or broken tags are skipped; a parameter outside an invoke and a
   repeated parameter name (the first one wins) are skipped. `</｜DSML｜tool_calls>` ends the message: what follows it
   is dropped. A new `invoke` closes an unclosed previous one.
-- EOS ends the message anywhere, also inside a block. A block cut short (EOS or end of text): complete calls stay,
-  an open call keeps its complete parameters and is closed, an unfinished parameter or tag is dropped. A truncated
-  tag at the very end of the text (a prefix of `<｜DSML｜` or EOS) is dropped with the blank line before it.
+- EOS ends the message anywhere, also inside a block: complete calls stay, an open call keeps its complete
+  parameters and is closed, an unfinished parameter or tag is dropped. Text that ends inside a call without EOS (cut
+  by max_tokens or a stop string) leaves that call's arguments as far as they were generated: "{" and its complete
+  parameters, never closed (not valid JSON: the call is unfinished), the unfinished parameter or tag dropped; vLLM's
+  DSML parser (`deepseekv32_tool_parser.py`) likewise streams no "}" before `</｜DSML｜invoke>`. A truncated tag at
+  the very end of the text (a prefix of `<｜DSML｜` or EOS) is dropped with the blank line before it.
 - A call to a tool not in `tools` is returned as written (the client answers it with an error); its parameters
   follow only their string flags.
 
@@ -40,8 +43,8 @@ Parameter values -> JSON: `string="true"` -> the raw text as a JSON string. `str
 parsed as JSON (NaN, Infinity and overflowing numbers refused). When that fails, the property's type in the tool's
 JSON schema (`type`, or the types in `anyOf` / `oneOf`) decides: boolean reads true/false in any case, integer /
 number read what Python int() / float() read (finite), null reads None; in every other case the raw text becomes a
-JSON string. So `arguments` is always a valid JSON object, parameters in emitted order, each value re-serialized
-with `json.dumps(..., ensure_ascii=False)`.
+JSON string. So `arguments` is a valid JSON object (but for a call the text ended in, above), parameters in emitted
+order, each value re-serialized with `json.dumps(..., ensure_ascii=False)`.
 """
 from __future__ import annotations
 
@@ -461,8 +464,9 @@ class StreamingParser:
     feed(delta_text) -> deltas decided so far; finish() -> the rest. Text that may start markup (a trailing `<`,
     a partial `<｜DSML｜`, `</think>` or EOS, or the blank line before a DSML tag) is held back until it proves
     otherwise. A call streams as: (index, id, name, "") once `invoke name="X">` is complete, then "{", then each
-    complete parameter `"k": <json>` (", " before all but the first), then "}" at `</｜DSML｜invoke>` (or when the
-    block or the text ends first). The deltas add up to `parse_completion` of the whole text, however it is split.
+    complete parameter `"k": <json>` (", " before all but the first), then "}" at `</｜DSML｜invoke>` (or at the next
+    invoke, the block's end or EOS); finish() on text that ended inside a call adds nothing to it. The deltas add up
+    to `parse_completion` of the whole text, however it is split.
     """
 
     def __init__(self, thinking: bool, tools: list[dict] | None = None):
@@ -506,7 +510,7 @@ class StreamingParser:
             if "｜" in tail:  # a truncated special token or DSML tag
                 tail = tail[:tail.index("<")].removesuffix("\n\n")
             self._emit_text(out, tail)
-        self._close_call(out)
+        # text ending inside a call (max_tokens, a stop string): its arguments stay unclosed, as generated
         self._state, self._buf = _DONE, ""
         return _join_text(out)
 

@@ -117,6 +117,21 @@ def test_prefix_cache_on_the_prefill_instance(pd, colocated):
                     .choices[0].text for k in (3, 4)]
 
 
+def test_cached_tokens_are_the_prefill_instances_hits(pd):
+    """usage.prompt_tokens_details.cached_tokens of D's answer: what P found in its prefix cache (whole blocks)."""
+    c = client(pd)
+    hits = pd["p"].kv_cache.stats.prefix_cache_hits
+    ids = prompts([53])[0]
+    got = [c.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0).usage
+           .prompt_tokens_details.cached_tokens for _ in range(2)]
+    assert got == [0, 48] and pd["p"].kv_cache.stats.prefix_cache_hits - hits == 48  # 3 whole blocks of 53 tokens
+    messages = [{"role": "user", "content": "cached on the prefill instance, then streamed from decode"}]
+    usages = [list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0, stream=True,
+                                             stream_options={"include_usage": True}))[-1].usage for _ in range(2)]
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, (usages[1].prompt_tokens - 1) // 16 * 16]
+    assert usages[1].prompt_tokens > 16
+
+
 def error_of(response):
     status, _, body = response
     assert "Traceback" not in body.decode()

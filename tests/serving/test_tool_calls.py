@@ -79,6 +79,64 @@ def test_streamed_tool_calls_add_up_to_the_whole_answer(client):
     assert len(chunks) > len(calls) + 2  # the arguments came in pieces, not in one chunk at the end
 
 
+def streamed(chunks) -> tuple[str, list[tuple[str, str]], str]:
+    """A chat stream's (content, [(name, arguments)] of its calls, finish_reason), its pieces added up."""
+    calls, content = {}, ""
+    for c in chunks:
+        for piece in c.choices[0].delta.tool_calls or []:
+            if piece.id is not None:
+                calls[piece.index] = [piece.function.name, piece.function.arguments or ""]
+            else:
+                calls[piece.index][1] += piece.function.arguments or ""
+        content += c.choices[0].delta.content or ""
+    return content, [tuple(calls[i]) for i in sorted(calls)], chunks[-1].choices[0].finish_reason
+
+
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def test_calls_cut_by_max_tokens_keep_what_was_generated(client):
+    """Greedy forced calls cut by max_tokens just before and at each token that completed a piece of a call (its
+    name, a parameter, its end): finish_reason "length", each call a prefix of the uncut one's, the call being
+    written "{" and its complete parameters, unclosed (no "}" or value that was not generated); the stream adds up
+    to the whole answer, and /v1/responses returns the same arguments (status incomplete)."""
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0)
+    cuts, seen = set(), 0  # tokens generated up to each chunk (with logprobs, one chunk per engine output)
+    for c in client.chat.completions.create(max_tokens=300, stream=True, logprobs=True, **kw):
+        seen += len(c.choices[0].logprobs.content) if c.choices[0].logprobs else 0
+        if c.choices[0].delta.tool_calls:
+            cuts |= {seen - 1, seen}
+    full = client.chat.completions.create(max_tokens=300, **kw)
+    whole_calls = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
+    assert full.choices[0].finish_reason == "tool_calls" and full.usage.completion_tokens == seen
+    open_with_parameters = 0
+    for k in sorted(cuts - {0, seen}):
+        r = client.chat.completions.create(max_tokens=k, **kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and r.usage.completion_tokens == k
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert len(calls) <= len(whole_calls) and choice.message.content in (None, "")
+        for (name, args), (whole_name, whole_args) in zip(calls, whole_calls):
+            assert name == whole_name and whole_args.startswith(args), (k, args, whole_args)
+            if args != whole_args:  # the call the cut came in: "{" + complete parameters, unclosed
+                assert not is_json(args) and isinstance(json.loads(args + "}"), dict), (k, args)
+        assert streamed(list(client.chat.completions.create(max_tokens=k, stream=True, **kw))) == \
+            (choice.message.content or "", calls, "length")
+        if calls and calls[-1][1] not in ("{", whole_calls[len(calls) - 1][1]):
+            open_with_parameters += 1
+            resp = client.responses.create(model=MODEL, input=ASK[0]["content"], max_output_tokens=k, temperature=0,
+                                           tools=[{"type": "function", **t["function"]} for t in TOOLS],
+                                           tool_choice="required")
+            assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+            assert [(o.name, o.arguments) for o in resp.output if o.type == "function_call"] == calls
+    assert open_with_parameters, f"no cut fell between a call's parameters: {sorted(cuts)}"
+
+
 def test_a_conversation_with_calls_and_results_is_the_publishers_prompt(client, model_and_tokenizer):
     tokenizer = model_and_tokenizer[1]
     first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",

@@ -237,8 +237,8 @@ HEAD = (f'Ok\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n'
 
 
 @pytest.mark.parametrize("text, content, expected", [
-    # cut at max_tokens inside a parameter: complete parameters stay, the call is closed
-    (HEAD + f'<{D}parameter name="days" string="false">3', "Ok", [("get_weather", '{"city": "Paris"}')]),
+    # cut at max_tokens inside a parameter: complete parameters stay, the call stays open (no "}" generated)
+    (HEAD + f'<{D}parameter name="days" string="false">3', "Ok", [("get_weather", '{"city": "Paris"')]),
     # cut inside the invoke tag: no call
     (f'Ok\n\n<{D}tool_calls>\n<{D}invoke name="get_wea', "Ok", []),
     # cut inside the DSML opener: dropped with its blank line
@@ -258,8 +258,8 @@ HEAD = (f'Ok\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n'
     (f'Hi <{D}invoke name="f">\n</{D}invoke>', "Hi ", [("f", "{}")]),
     (f"Hi </{D}parameter> there", "Hi ", []),
     (f'<{D}tool_calls><{D}parameter name="a" string="true">v</{D}parameter></{D}tool_calls>', "", []),
-    # a broken tag is skipped up to the next one
-    (f'<{D}tool_calls><{D}invoke name="f"<{D}invoke name="g">', "", [("g", "{}")]),
+    # a broken tag is skipped up to the next one (the text ends inside call g: it stays open)
+    (f'<{D}tool_calls><{D}invoke name="f"<{D}invoke name="g">', "", [("g", "{")]),
 ])
 def test_malformed_markup_never_reaches_content(text, content, expected):
     p = parse_completion(text, thinking=False, tools=[WEATHER])
@@ -338,7 +338,41 @@ def test_fuzzed_markup(fragments, cuts, thinking):
     for part in (whole.content, whole.reasoning_content or ""):
         assert D not in part and E not in part and "<think>" not in part
     assert "</think>" not in whole.content
-    assert all(isinstance(json.loads(c.arguments), dict) for c in whole.tool_calls)
+    assert all(isinstance(json.loads(c.arguments), dict) for c in whole.tool_calls[:-1])
+    if whole.tool_calls:  # the last call may be one the text ended inside: its complete parameters, unclosed
+        last = whole.tool_calls[-1].arguments
+        assert isinstance(json.loads(last if is_json(last) else last + "}"), dict)
+
+
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_reply_cut_at_every_character_keeps_only_what_was_generated(thinking):
+    """max_tokens at every character of a two-call reply: the text is what was generated, each call a prefix of the
+    whole reply's; calls the model closed are whole, the one it was writing has "{" and its complete parameters,
+    unclosed (never a value or a "}" that was not generated); the stream, fed a character at a time, adds up to the
+    same."""
+    whole = parse_completion(CALL_TEXT, thinking, [WEATHER])
+    assert len(whole.tool_calls) == 2
+    for k in range(len(CALL_TEXT)):
+        text = CALL_TEXT[:k]
+        cut = parse_completion(text, thinking, [WEATHER])
+        assert text.startswith((cut.reasoning_content or "") + cut.content)  # the text as generated (no DSML)
+        assert len(cut.tool_calls) <= 2
+        closed = text.count(f"</{D}invoke>")  # calls the model ended
+        for i, (c, w) in enumerate(zip(cut.tool_calls, whole.tool_calls)):
+            assert c.name == w.name and w.arguments.startswith(c.arguments), (k, c)
+            if i < closed:
+                assert c.arguments == w.arguments
+            else:
+                assert not is_json(c.arguments) and isinstance(json.loads(c.arguments + "}"), dict), (k, c)
+        assert normalized(stream(text, range(k), thinking, [WEATHER])) == normalized(cut), k
 
 
 # ---------------------------------------------------------------- round trips
