@@ -17,10 +17,9 @@ from common.engine import EngineConfig
 from common.engine.config import EXE_MODES
 from common.loader import Checkpoint, CheckpointError
 from common.offload import HOST_BACKENDS, PLACEMENTS, MoEOffloadConfig
-from model_family import FAMILIES, family_of_config, load_tokenizer
+from model_family import DEFAULT_FAMILY, FAMILIES, family_of_config, load_tokenizer
 
 HERE = Path(__file__).resolve().parent
-TINY = FAMILIES["deepseek-v4"].tiny
 DEFAULT_PRESET = HERE / "configs" / "tiny-cpu.yaml"
 # --dtype / a preset's dtype; auto (also a preset without one): backend.default_dtype(), which follows the device
 DTYPES = {backend.AUTO: None, **backend.DTYPES}
@@ -34,7 +33,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def add_model_args(p: ArgumentParser) -> None:
     p.add_argument("--weights", type=input_path(HERE), help="checkpoint folder (default: the tiny random checkpoint)")
     p.add_argument("--model", choices=sorted(FAMILIES), help="which model's tiny checkpoint runs without --weights "
-                   "(default: the preset's model, else deepseek-v4); with --weights, config.json's model_type decides")
+                   f"(default: the preset's model, else {DEFAULT_FAMILY}); with --weights, config.json's model_type "
+                   "decides")
     p.add_argument("--config", type=input_path(HERE), default=DEFAULT_PRESET, help="deployment preset")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="overrides the preset's dtype")
     p.add_argument("--speculative-tokens", type=int, metavar="K", help="MTP speculative decoding with K drafts a "
@@ -105,12 +105,12 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
 
 
 def model_family(p: ArgumentParser, a: argparse.Namespace):
-    """--weights' config.json model_type, else --model, else the preset's `model:`, else deepseek-v4."""
+    """--weights' config.json model_type, else --model, else the preset's `model:`, else DEFAULT_FAMILY."""
     named = a.model or a.preset.get("model")
     if named is not None and named not in FAMILIES:
         p.error(f"--config {a.config.name}: model {named!r}, expected one of {sorted(FAMILIES)}")
     if a.weights is None:
-        return FAMILIES[named or "deepseek-v4"]
+        return FAMILIES[named or DEFAULT_FAMILY]
     try:
         family = family_of_config(Checkpoint(a.weights).config)
     except (CheckpointError, ValueError) as e:

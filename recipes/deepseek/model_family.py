@@ -65,6 +65,7 @@ V3_FAMILY = [ModelFamily(name, types, config_deepseek_v3.ModelArgs.from_config, 
                                           ("deepseek-v32", ("deepseek_v32",), "v32"),
                                           ("kimi-k2", ("kimi_k2",), "kimi"))]
 FAMILIES = {f.name: f for f in [V4, *V3_FAMILY]}
+DEFAULT_FAMILY = V4.name  # what runs without --weights, --model or a preset's `model:`
 
 
 def family_of_config(config: dict) -> ModelFamily:
