@@ -9,8 +9,9 @@ steps in lock-step (`has_unfinished_anywhere`), and a rank with nothing schedule
 expert-parallel collectives of the others never wait for it. A fault in a step there ends the job (the other ranks'
 collectives would wait for the failed one): the exception propagates.
 
-PD disaggregation goes through a KV connector (common/kv_transfer, the serving layer's PD roles), called on the
-engine's thread: `start_load(request, block_table)` when a do_remote_prefill request got its blocks (decode side),
+PD disaggregation goes through a KV connector (common/engine/kv_connector.py: the Protocol and its block-ownership
+promises; common/kv_transfer holds the Mooncake implementations), called on the engine's thread:
+`start_load(request, block_table)` when a do_remote_prefill request got its blocks (decode side),
 `cancel_load(request_id)` when one is aborted while its KV is on the way (its blocks are freed only once the
 prefill side no longer writes them: the connector then calls `fail_remote_prefill`), and `start_send(request,
 block_table)` when a do_remote_decode request finished (prefill side; `release_sent` frees its blocks after).
@@ -38,6 +39,7 @@ from common.kv_cache import KVCacheManager
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
+from .kv_connector import KVConnector
 from .model_runner import ModelRunner, blocks_that_fit
 from .multimodal import MultiModalInput, check_placements, expand_placeholders, multimodal_prompt
 from .request import Request, RequestStatus
@@ -97,7 +99,7 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None, kv_connector=None):
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, kv_connector: KVConnector | None = None):
         self.model, self.tokenizer, self.kv_connector = model, tokenizer, kv_connector
         self.contract = contract = model.engine_contract()
         config = (config or EngineConfig()).resolve(contract.max_position_embeddings)

@@ -19,6 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.kv_transfer import PrefillConnector
+
 from .async_engine import AsyncLLMEngine
 from .chat import OpenAIServingChat
 from .chat_format import ChatFormat, TemplateChatFormat
@@ -27,7 +29,7 @@ from .http_utils import APIError, error_response
 from .media_connector import MediaConnector
 from .metrics import ServerMetrics
 from .openai_serving import OpenAIServing
-from .pd_prefill import PrefillConnector, add_prefill_routes
+from .pd_routes import add_prefill_routes
 from .responses import OpenAIServingResponses
 
 logger = logging.getLogger("npu_cookbook.serving")
@@ -64,7 +66,7 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
 
     async def lifespan(app: FastAPI):
         if connector is not None:
-            connector.bind(async_engine, asyncio.get_running_loop())
+            connector.bind(engine, async_engine, asyncio.get_running_loop())
         if not async_engine.started:
             async_engine.start()
         yield

@@ -16,12 +16,12 @@ from fastapi.responses import StreamingResponse
 
 from common.engine import SamplingParams
 from common.engine.sampling_params import StructuredOutputsParams
+from common.kv_transfer import DecodeConnector
 
 from .async_engine import AsyncLLMEngine, EngineOverloaded
 from .http_utils import APIError, run_unless_disconnected
 from .media_connector import MediaConnector
 from .metrics import ServerMetrics
-from .pd_decode import DecodeConnector
 from .pd_protocol import PREFILL_HEADER
 from .streams import merge, start
 

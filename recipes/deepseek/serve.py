@@ -11,7 +11,8 @@ Images (a vision checkpoint, as the tiny one is): chat messages take OpenAI's {"
 PD disaggregation: `--pd-role prefill` serves /pd/prefill for decode instances (and /v1 as usual); `--pd-role
 decode --pd-bootstrap http://P:PORT [...]` has each request the router pairs with one of those prefill instances
 prefilled there, its KV written into this instance's blocks over the Mooncake transfer engine, and decodes it here
-(common/serving/pd_prefill.py, pd_decode.py). `run.sh --serve --pd 1:1` starts P, D and the router (serve_dp.py).
+(common/kv_transfer/connector_prefill.py, connector_decode.py; the /pd routes: common/serving/pd_routes.py).
+`run.sh --serve --pd 1:1` starts P, D and the router (serve_dp.py).
 
 With no --weights, the tiny random checkpoint (written once, as generate.py does) is served. SIGTERM / Ctrl-C:
 stop accepting, let running requests finish for --drain-timeout seconds, abort the rest, exit 0. A multi-rank
@@ -28,11 +29,9 @@ import uvicorn
 from common import parallel as par
 from common.engine import LLMEngine
 from common.serving import AsyncLLMEngine
-from common.kv_transfer import make_transport
+from common.kv_transfer import DecodeConnector, PrefillConnector, make_transport
 from common.serving.api_server import build_app
 from common.serving.media_connector import MediaConnector
-from common.serving.pd_decode import DecodeConnector
-from common.serving.pd_prefill import PrefillConnector
 from cli_deepseek import ArgumentParser, add_model_args, check_model_args, fail, load
 
 
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):  # and stop when rank 0 stops (it drains first)
             signal.signal(sig, lambda *_: None)
         if connector is not None:
-            connector.bind(async_engine, None)
+            connector.bind(engine, async_engine, None)
         async_engine.run_worker()
         par.destroy_parallel()
         return 0

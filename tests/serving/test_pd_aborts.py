@@ -16,9 +16,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from common.kv_transfer import MooncakeTransport
-from common.serving.pd_decode import DecodeConnector
-from common.serving.pd_prefill import PrefillConnector
+from common.kv_transfer import DecodeConnector, MooncakeTransport, PrefillConnector
 from common.serving.router import build_router
 from weights_deepseek_v4 import load_model
 

@@ -17,11 +17,9 @@ from PIL import Image
 
 from chat_format_deepseek_v4 import DeepseekV4ChatFormat
 from common.engine import LLM, SamplingParams
-from common.kv_transfer import MooncakeTransport
+from common.kv_transfer import DecodeConnector, MooncakeTransport, PrefillConnector
 from common.serving.chat_format import Conversation
 from common.serving.media_connector import MediaConnector
-from common.serving.pd_decode import DecodeConnector
-from common.serving.pd_prefill import PrefillConnector
 from common.serving.router import build_router
 from weights_deepseek_v4 import load_model
 

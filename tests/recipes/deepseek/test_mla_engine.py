@@ -216,9 +216,7 @@ def test_pd_disaggregation_equals_colocated(checkpoints):
     tokens and log-probs equal one engine's; P prefilled every prompt (in chunks of 8), D none."""
     from openai import OpenAI
 
-    from common.kv_transfer import MooncakeTransport
-    from common.serving.pd_decode import DecodeConnector
-    from common.serving.pd_prefill import PrefillConnector
+    from common.kv_transfer import DecodeConnector, MooncakeTransport, PrefillConnector
     from common.serving.router import build_router
     from serving.serving_harness import API_KEY, MODEL, running_server, serve_app, wait_until
 

@@ -1,46 +1,34 @@
 """The prefill (P) role of PD disaggregation: prefill a decode instance's request, write its KV into the blocks the
 decode instance allocated, answer with the first token.
 
-    POST /pd/prefill  {room, prompt_token_ids, sampling_params, targets: [{peer, layout, block_tables}], images}
-        runs the prompt (prefix cache, chunked prefill as any request; its images, sent as the decode instance
-        received them, processed and encoded here), samples the first token with the request's
-        own sampling parameters, writes every cache group's blocks (runs of consecutive blocks one write per cache
-        tensor) through the KVTransport into each target's registered memory, frees its blocks, and answers
-        {token_ids, logprobs, prompt_logprobs, num_cached_tokens}. The answer is the decode instance's
-        notification: it comes after the writes returned. Errors are OpenAI error bodies (400 bad layout or
-        parameters, 409 an aborted or duplicate room, 503 overloaded, 500 the prefill failed, 502 the write failed).
-    POST /pd/abort  {room}
-        no write for the room happens after the answer: a request still in the engine is aborted (its blocks
-        freed), one being written stops between batches and is waited for; a room that has not arrived yet is
-        refused when it does. The decode instance frees its blocks once this answers.
-    GET /pd/info    this instance's role, transport address and cache layout signature.
-
-A decode instance that goes away (its /pd/prefill connection closes) aborts the room the same way, so P's blocks
-come back whether D finished, failed or died. The engine calls `start_send` on its own thread when a
-do_remote_decode request finishes; the writes run on one sender thread, so the engine keeps stepping meanwhile.
-Over several ranks the DP rank that prefilled the request writes it (PrefillConnector).
+The serving layer's /pd routes (its pd_routes.py) drive it: /pd/prefill opens a room (`open_room`), runs
+the request with do_remote_decode and the decode instance's targets (its ranks' transport addresses, cache layouts
+and block ids), waits for the room's writes (`Room.done`) and closes it (`close_room`); /pd/abort calls `abort`.
+The engine calls `start_send` on its own thread when a do_remote_decode request finishes; the writes (every cache
+group's blocks, runs of consecutive blocks one write per cache tensor, through the KVTransport into each target's
+registered memory) run on one sender thread, so the engine keeps stepping meanwhile, and the blocks go back to the
+engine (`release_sent`) once the writes returned, failed or stopped. An abort (the room's /pd/abort, or its
+decode instance going away) stops a room's writes between batches, so P's blocks come back whether D finished,
+failed or died. Over several ranks the DP rank that prefilled the request writes it (PrefillConnector).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
-from pydantic import BaseModel
-
 from common import parallel as par
-from common.engine import SamplingParams
-from common.kv_transfer import CacheLayout, KVTransport
+from common.engine import LLMEngine
+from common.engine.kv_connector import BlockTable
+from common.engine.request import Request
 
-from .async_engine import AsyncLLMEngine, EngineOverloaded
-from .pd_protocol import PDConnector, images_from_json, logprobs_to_json
-from .http_utils import error_response, run_unless_disconnected
+from .connector_base import EngineHost, PDConnector
+from .layout import CacheLayout
+from .transport import KVTransport
 
 logger = logging.getLogger("npu_cookbook.pd")
 WRITES_PER_BATCH = 256  # ranges per transport.write: an abort stops the room between batches
@@ -79,8 +67,8 @@ def remember(keys: collections.OrderedDict, key: str) -> None:
 
 
 class PrefillConnector(PDConnector):
-    """The engine's KV connector on a prefill instance (see common/engine/llm_engine.py). Every rank has one; rank
-    0's serves the /pd routes. The request's targets (one per rank of the decode instance that holds it) travel
+    """The engine's KV connector on a prefill instance (common/engine/kv_connector.py). Every rank has one; rank
+    0's backs the /pd routes. The request's targets (one per rank of the decode instance that holds it) travel
     with it to the DP rank that prefills it, whose first attention-TP rank writes them (its TP peers hold the same
     cache); "sent" and "ack" messages come back to rank 0; aborts reach every rank as commands.
 
@@ -100,13 +88,13 @@ class PrefillConnector(PDConnector):
         self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
         self.stats = TransferStats()
 
-    def bind(self, async_engine, loop) -> None:
-        super().bind(async_engine, loop)
-        dp = async_engine.engine.dp_group
+    def bind(self, engine: LLMEngine, async_engine: EngineHost, loop: asyncio.AbstractEventLoop | None) -> None:
+        super().bind(engine, async_engine, loop)
+        dp = engine.dp_group
         self.num_dp, self.dp_rank = par.group_size(dp), par.group_rank(dp)
 
     # the engine's thread, on the ranks that own the request
-    def start_send(self, request, block_table: dict[str, list[int]]) -> None:
+    def start_send(self, request: Request, block_table: BlockTable) -> None:
         rid = request.request_id
         if self.tp_rank != 0:  # a TP peer: rank 0 of its group writes
             self._release(rid)
@@ -122,14 +110,14 @@ class PrefillConnector(PDConnector):
         "sent" comes when the send ends)."""
         _, rid = payload
         remember(self.aborted, rid)
-        self.async_engine.engine.abort(rid)  # unknown or finished ids are ignored
+        self.engine.abort(rid)  # unknown or finished ids are ignored
         if self.tp_rank == 0:
             with self.lock:
                 if rid not in self.sending:
                     self.outbox.append(("ack", rid, self.dp_rank))
 
     def _release(self, rid: str) -> None:
-        self.async_engine.run_in_engine(lambda: self.async_engine.engine.release_sent(rid))
+        self.async_engine.run_in_engine(lambda: self.engine.release_sent(rid))
 
     # the sender thread
     def _send(self, rid: str, targets: list[dict], tables: dict[str, list[int]]) -> None:
@@ -213,95 +201,3 @@ class PrefillConnector(PDConnector):
 
     async def aclose(self) -> None:
         self.sender.shutdown(wait=False)
-
-
-class Target(BaseModel):
-    """One rank of the decode instance that holds the request: where to write, and which blocks."""
-    peer: str
-    layout: dict[str, list[list[int]]]
-    block_tables: dict[str, list[int]]
-
-
-class PrefillBody(BaseModel):
-    room: str
-    prompt_token_ids: list[int]
-    sampling_params: dict
-    targets: list[Target]
-    images: list[dict] = []  # pd_protocol.images_to_json: [{identifier, offset, length, data (base64)}]
-
-
-class AbortBody(BaseModel):
-    room: str
-
-
-def add_prefill_routes(app: FastAPI, async_engine: AsyncLLMEngine, connector: PrefillConnector,
-                       dependencies: list = ()) -> None:
-    """The /pd routes, behind `dependencies` (the server's API-key check: whoever may post /pd/prefill decides where
-    this instance writes)."""
-    dependencies = list(dependencies)
-
-    @app.post("/pd/prefill", dependencies=dependencies)
-    async def prefill(body: PrefillBody, raw: Request):
-        for target in body.targets:
-            if (why := connector.layout.mismatch(CacheLayout.from_description(target.layout))) is not None:
-                return error_response(400, f"the decode instance's KV cache differs from this one's ({why}): run "
-                                           "P and D with the same checkpoint, dtype and MTP setting",
-                                      "invalid_request_error")
-        try:
-            sp = SamplingParams(**body.sampling_params)
-        except (TypeError, ValueError) as e:
-            return error_response(400, f"sampling_params: {e}", "invalid_request_error", "sampling_params")
-        params = dataclasses.replace(sp, max_tokens=min(sp.max_tokens, 1))  # the first token; D samples the rest
-        finished, result = await run_unless_disconnected(raw, _prefill(async_engine, connector, body, params))
-        if not finished:
-            return error_response(499, "the decode instance went away", "aborted")
-        return result
-
-    @app.post("/pd/abort", dependencies=dependencies)
-    async def abort(body: AbortBody):
-        stopped = await connector.abort(body.room)
-        if not stopped:
-            return error_response(504, f"room {body.room}: its writes did not stop within "
-                                       f"{connector.abort_timeout:.0f} s", "timeout")
-        return {"room": body.room, "released": True}
-
-    @app.get("/pd/info", dependencies=dependencies)
-    async def info():
-        return {"role": "prefill", "address": connector.transport.address, "layout": connector.layout.signature(),
-                "transfers": dataclasses.asdict(connector.stats)}
-
-
-async def _prefill(async_engine: AsyncLLMEngine, connector: PrefillConnector, body: PrefillBody,
-                   params: SamplingParams):
-    # The room opens and the request is queued in one step of the event loop: a /pd/abort comes before both (the
-    # room is refused) or after both (the abort command finds the request in the engine).
-    room, why = connector.open_room(body.room)
-    if room is None:
-        return error_response(409, why, "invalid_request_error", "room")
-    final = None
-    targets = [t.model_dump() for t in body.targets]
-    try:
-        images = await asyncio.to_thread(images_from_json, body.images, async_engine.engine.contract.encoder)
-    except ValueError as e:
-        return error_response(400, str(e), "invalid_request_error", "images")
-    try:
-        async for out in async_engine.generate(body.prompt_token_ids, params, body.room,
-                                               kv_transfer_params={"do_remote_decode": True, "targets": targets},
-                                               mm_inputs=images):
-            final = out
-        if final.finish_reason in ("abort", "error"):
-            return error_response(500, f"prefill failed: {final.error or final.finish_reason}",
-                                  "internal_server_error")
-        # the writes ended (the writing rank always says so); shielded: a cancelled wait must not cancel room.done
-        error = await asyncio.shield(asyncio.wrap_future(room.done))
-    except EngineOverloaded as e:
-        return error_response(503, str(e), "server_overloaded", headers={"Retry-After": "1"})
-    except ValueError as e:
-        return error_response(400, str(e), "invalid_request_error", "prompt_token_ids")
-    finally:
-        connector.close_room(body.room, room)
-    if error is not None:
-        return error_response(502, f"KV transfer to {', '.join(t['peer'] for t in targets)} failed: {error}",
-                              "kv_transfer_error")
-    return {"room": body.room, "token_ids": final.token_ids, "logprobs": logprobs_to_json(final.logprobs),
-            "prompt_logprobs": logprobs_to_json(final.prompt_logprobs), "num_cached_tokens": final.num_cached_tokens}

@@ -7,7 +7,7 @@ that does not fit waits here, in order); the engine then calls `start_load`, and
 /pd/prefill to the prefill instance with the transport address, cache layout and block ids of every rank that
 holds the request (its DP rank's attention-TP peers: P writes each). The answer (after P's writes returned)
 carries the first token: the request joins the running batch. P's own DP rank needs no telling: the P rank that
-prefilled the request writes it.
+prefilled the request writes it. This connector is the HTTP client of P's /pd routes (the serving layer's pd_routes.py).
 
 Faults, each ending the request in bounded time with its blocks freed only when no write can still land in them:
 - the client goes away (abort) while the KV is on its way: /pd/prefill is cancelled, then /pd/abort tells P to
@@ -21,10 +21,12 @@ import asyncio
 import dataclasses
 import logging
 
-from common.kv_transfer import KVTransport
+from common.engine import LLMEngine
+from common.engine.kv_connector import BlockTable
+from common.engine.request import Request
 
-from .async_engine import AsyncLLMEngine
-from .pd_protocol import PDConnector, images_to_json, logprobs_from_json
+from .connector_base import EngineHost, PDConnector, images_to_json, logprobs_from_json
+from .transport import KVTransport
 
 try:
     import httpx2 as httpx  # what openai 3.x installs
@@ -35,7 +37,7 @@ logger = logging.getLogger("npu_cookbook.pd")
 
 
 class DecodeConnector(PDConnector):
-    """The engine's KV connector on a decode instance (see common/engine/llm_engine.py). Every rank of the instance
+    """The engine's KV connector on a decode instance (common/engine/kv_connector.py). Every rank of the instance
     has one; rank 0's also talks to the prefill instances. A rank that admits a request sends rank 0 its target (its
     transfer address, cache layout and block ids); once every attention-TP peer of that DP rank has (they hold the
     same requests, each its own copy of the cache), rank 0 posts /pd/prefill naming them all, and hands the answer
@@ -54,9 +56,9 @@ class DecodeConnector(PDConnector):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.client: httpx.AsyncClient | None = None
 
-    def bind(self, async_engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop | None) -> None:
+    def bind(self, engine: LLMEngine, async_engine: EngineHost, loop: asyncio.AbstractEventLoop | None) -> None:
         """At start: register the engine's cache tensors; rank 0 (with the server's loop) makes the HTTP calls."""
-        super().bind(async_engine, loop)
+        super().bind(engine, async_engine, loop)
         self.loop, self.layout_description = loop, self.layout.describe()  # sent with every request
         if loop is not None:
             self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.transfer_timeout, connect=10.0),
@@ -72,7 +74,7 @@ class DecodeConnector(PDConnector):
         return url
 
     # the engine's thread, on the ranks that own the request
-    def start_load(self, request, block_table: dict[str, list[int]]) -> None:
+    def start_load(self, request: Request, block_table: BlockTable) -> None:
         target = {"peer": self.transport.address, "layout": self.layout_description,
                   "block_tables": {g: list(t) for g, t in block_table.items()}}
         body = None
@@ -87,7 +89,7 @@ class DecodeConnector(PDConnector):
 
     def on_command(self, payload):
         """Every rank: ("loaded", room, answer) or ("failed", room, error | None: aborted); the outputs it makes."""
-        engine = self.async_engine.engine
+        engine = self.engine
         kind, rid, arg = payload
         if kind == "loaded":
             return engine.finish_remote_prefill(rid, arg["token_ids"], logprobs_from_json(arg.get("logprobs")),
