@@ -1,11 +1,45 @@
-"""The model contract: what the engine needs from a model, stated by the model in one place, never probed.
+"""The model contract: all that the engine, graph capture, PD's KV transfer and the vLLM plugin use of a model. A new
+LLM recipe implements this and needs nothing else of the engine; tests/engine/contract_toy_model.py is a complete
+one (embedding, one paged attention layer, LM head) in about fifty lines.
 
-Every model the engine runs is a `CausalLM`: it owns its paged caches (the groups it declares, tensors allocated
-at the block counts the engine picks) and turns a packed ForwardBatch into hidden states and logits. Everything
-else the engine may use, the model states in `engine_contract()` -> `ModelContract`: its limits, its rank groups,
-its MTP layers (`MTPDraftModel`, what speculative decoding drives), its encoder stage (`EncoderModel`, what image
-inputs go through) and a hook at the end of a prompt's prefill. A capability the model lacks is None there, and the
-engine refuses the feature that needs it by name.
+The model is an `nn.Module` (on CPU the engine packs its bf16 nn.Linear weights for oneDNN) and a `CausalLM`:
+
+- `engine_contract()` -> `ModelContract`: its limits (max_position_embeddings, vocab_size, eos_token_ids), its shape
+  (hidden_size D; the dtype and device of its hidden states, which its cache tensors are allocated in) and its
+  optional capabilities, each the object that provides it or None: `parallel` (its rank groups; None: one
+  process), `mtp` (MTPDraftModel; None: speculative decoding refused), `encoder` (EncoderModel; None: text only,
+  image inputs refused), `finish_prefill` (a hook after each step's forward; None: not called). The engine refuses
+  a feature whose capability is None, naming it, and probes the model for nothing else.
+- Its caches, declared, never allocated by the model. `cache_specs(block_size)`: its cache groups
+  (common.kv_cache.CacheGroupSpec: a block table per request per group, blocks of block_size token positions,
+  optionally a sliding window behind which the engine frees blocks). `cache_tensor_specs()`: every cache tensor, in
+  a fixed order (CacheTensorSpec: its name, the group whose blocks it is paged by, rows of `width` elements, one
+  row per `tokens_per_row` tokens); with blocks of b tokens a tensor is [num_blocks of its group,
+  b // tokens_per_row, 1, width]. Name a tensor by its module path and attribute, layer index included
+  ("layers.3.attn.k_cache"): vLLM reads the layer index from it. Whoever runs the model allocates the tensors from
+  these specs (common/kv_cache/cache_tensors.py: zeros, in the contract's dtype and device, bytes per block counted
+  without allocating), owns them (the engine's ModelRunner, as `runner.cache_tensors`: by group, in spec order,
+  what PD's KV transfer registers; under vLLM, vLLM's block manager) and hands them to the model with
+  `bind_caches` before the first forward, and again whenever it replaces them.
+- `bind_caches(tensors, tables=None)`: ValueError unless `tensors` holds exactly one tensor per CacheTensorSpec
+  name, shaped as above (common.kv_cache.check_cache_tensors). The model keeps those tensors (no copy) and from
+  then on writes and reads its cache there only. `tables` maps a tensor name to the ForwardBatch block table /
+  slot mapping key it is read through (default: its group); tensors read through different tables may have
+  different rows per block (each its own shape[1]). A model that cannot honour a mapping other than each tensor's
+  group raises ValueError for it (DeepSeek-V3 and the toy model do; DeepSeek-V4 honours any).
+- `__call__(batch)`: one packed step (common.engine.ForwardBatch: the new tokens of B sequences, token-major, T in
+  all) -> final hidden states [T, D]. Through common.ops, write each new token's row at `batch.slot_mapping[key]`
+  [T] (of a one-row-per-token tensor viewed as [num_blocks * block_size, 1, width]) and read the past through
+  `batch.block_tables[key]` [B, max_blocks] up to `batch.seq_lens` [B]. Block 0 is the null block: padding writes
+  there and no real sequence reads it. To run in graph mode (exe_mode "graph"), read no tensor on the host: the
+  sizes are batch.max_seqlen_q / max_seqlen_k.
+- `embed_tokens(input_ids, uniform=False)`: [T] -> [T, D] (vLLM's embedding hook; the MTP drafts' next tokens).
+- `compute_logits(hidden, uniform=False)`: [N, D] -> [N, V] fp32, for the rows the engine samples or scores. In
+  both, `uniform` marks a graph-mode step, every rank with N rows (a vocabulary-parallel model then exchanges no
+  sizes); a one-process model ignores it.
+
+`common.engine.model_runner.prefill_logits(model, prompts)` runs whole prompts in one step over fresh caches, through
+this contract alone (tests, benches).
 """
 from __future__ import annotations
 
@@ -18,31 +52,35 @@ import torch
 from .multimodal import EncoderInput
 
 if TYPE_CHECKING:
-    from common.kv_cache import CacheGroupSpec
+    from common.kv_cache import CacheGroupSpec, CacheTensorSpec
     from common.parallel import Parallel
 
     from .forward_batch import ForwardBatch
 
 
 class CausalLM(Protocol):
-    """A model the engine runs."""
+    """A model the engine runs (see the module docstring)."""
 
     def engine_contract(self) -> ModelContract: ...
 
-    def cache_specs(self, block_size: int) -> list[CacheGroupSpec]: ...
+    def cache_specs(self, block_size: int) -> list[CacheGroupSpec]:
+        """Its cache groups for blocks of block_size tokens (ValueError for a block size it cannot use)."""
 
-    def cache_bytes_per_block(self, block_size: int) -> dict[str, int]: ...
+    def cache_tensor_specs(self) -> list[CacheTensorSpec]:
+        """Every cache tensor, in a fixed order; each in a group cache_specs names."""
 
-    def allocate_caches(self, num_blocks: dict[str, int], block_size: int) -> None: ...
+    def bind_caches(self, tensors: dict[str, torch.Tensor], tables: dict[str, str] | None = None) -> None:
+        """Use these tensors (by CacheTensorSpec name, [blocks, rows a block, 1, width]) as its caches, each read
+        through the ForwardBatch table `tables` names for it (default: its group); ValueError if it cannot."""
 
-    def cache_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Every cache tensor by group, [num_blocks, ...] each (PD's KV transfer, graph capture)."""
+    def embed_tokens(self, input_ids: torch.Tensor, uniform: bool = False) -> torch.Tensor:
+        """[T] -> [T, D]."""
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         """-> final hidden states [T, D]."""
 
     def compute_logits(self, hidden: torch.Tensor, uniform: bool = False) -> torch.Tensor:
-        """[N, D] -> [N, V]; uniform: every rank scores N rows (a graph-mode step)."""
+        """[N, D] -> [N, V] fp32; uniform: every rank scores N rows (a graph-mode step)."""
 
 
 class MTPDraftModel(Protocol):
@@ -93,9 +131,14 @@ class EncoderModel(Protocol):
 
 @dataclass(frozen=True)
 class ModelContract:
+    """A model's limits, shape and optional capabilities (None: absent, the feature that needs it refused)."""
+
     max_position_embeddings: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    hidden_size: int  # D: what __call__ returns per token, embed_tokens gives and compute_logits takes
+    dtype: torch.dtype  # of its activations (hidden states) and of the cache tensors allocated for it
+    device: torch.device  # where its weights, activations and cache tensors live
     parallel: Parallel | None = None  # the model's rank groups (attn_dp, attn_tp, ...); None: one process
     mtp: MTPDraftModel | None = None  # None: no MTP layers loaded (speculative decoding refused)
     encoder: EncoderModel | None = None  # None: text only (multimodal inputs refused)
@@ -103,9 +146,10 @@ class ModelContract:
     #   prompt prefill ended in it (MoE offload's dynamic expert placement)
 
     def __post_init__(self):
-        if self.max_position_embeddings < 1 or self.vocab_size < 1:
-            raise ValueError(f"max_position_embeddings and vocab_size must be positive, got "
-                             f"{self.max_position_embeddings} and {self.vocab_size}")
+        object.__setattr__(self, "device", torch.device(self.device))  # "cpu" or a torch.device alike
+        if self.max_position_embeddings < 1 or self.vocab_size < 1 or self.hidden_size < 1:
+            raise ValueError(f"max_position_embeddings, vocab_size and hidden_size must be positive, got "
+                             f"{self.max_position_embeddings}, {self.vocab_size} and {self.hidden_size}")
         if not all(0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids {self.eos_token_ids} must lie in [0, {self.vocab_size})")
         if self.mtp is not None and self.mtp.num_draft_layers < 1:

@@ -1,11 +1,13 @@
 """Owns the model and its caches; turns a scheduled step into one packed forward and the logits to sample."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from common import backend, cpu_gemm
+from common.kv_cache import allocate_cache_tensors, cache_bytes_per_block, tensors_by_group
 
 from .config import EngineConfig
 from .encoder_cache import EncoderCache, gather_embeddings
@@ -33,7 +35,8 @@ def blocks_that_fit(model, config: EngineConfig) -> dict[str, int]:
     cache unusable: DeepSeek-V4-Flash keeps 97% of its bytes per token in the window group.)"""
     bs = config.block_size
     specs = model.cache_specs(bs)
-    per_block = model.cache_bytes_per_block(bs)
+    sizes = cache_bytes_per_block(model.cache_tensor_specs(), bs, model.engine_contract().dtype)
+    per_block = {s.name: sizes.get(s.name, 0) for s in specs}  # bytes of one block of each group, all layers
     full_len = -(-config.max_model_len // bs)
     # a decoding request holds the blocks its window spans; the step's prefill chunks come on top (past that bound,
     # rare, the scheduler preempts as for any group)
@@ -50,6 +53,37 @@ def blocks_that_fit(model, config: EngineConfig) -> dict[str, int]:
     return {**windowed, **dict.fromkeys(full, n_full)}
 
 
+_CACHE_OWNER = weakref.WeakKeyDictionary()  # model -> a weak reference to the owner of the caches it holds
+
+
+def bind_new_caches(model: CausalLM, num_blocks: dict[str, int], block_size: int, owner: object = None,
+                    contract: ModelContract | None = None) -> dict[str, list[torch.Tensor]]:
+    """Allocate zeroed cache tensors for the model's CacheTensorSpecs (num_blocks per group, in the contract's dtype
+    and device), bind them to the model and return them by group in spec order: the caller owns them. `owner`: the
+    ModelRunner they are for; any other owner (None: a test, a one-shot forward) leaves every engine on this model
+    refusing to run."""
+    contract = contract or model.engine_contract()
+    specs = model.cache_tensor_specs()
+    tensors = allocate_cache_tensors(specs, num_blocks, block_size, contract.dtype, contract.device)
+    model.bind_caches(tensors)
+    if owner is None:
+        _CACHE_OWNER.pop(model, None)
+    else:
+        _CACHE_OWNER[model] = weakref.ref(owner)
+    return tensors_by_group(specs, tensors)
+
+
+@torch.no_grad()
+def prefill_logits(model: CausalLM, prompts: list[list[int]], block_size: int = 16) -> torch.Tensor:
+    """Logits of every prompt position [T, V]: the whole prompts in one step over fresh contiguous caches (tests and
+    benches; an engine on the same model refuses to run afterwards, its caches no longer bound)."""
+    contract = model.engine_contract()
+    groups = [g.name for g in model.cache_specs(block_size)]
+    batch, num_blocks = ForwardBatch.prefill(prompts, groups, block_size, contract.device)
+    bind_new_caches(model, dict.fromkeys(groups, num_blocks), block_size, contract=contract)
+    return model.compute_logits(model(batch))
+
+
 class ModelRunner:
     """Runs a CausalLM (common/engine/model_contract.py) over the engine's steps. keep_streams: every step also
     returns the main model's residual streams (contract.mtp's halves), for the MTP drafts; contract.finish_prefill,
@@ -61,27 +95,25 @@ class ModelRunner:
         if keep_streams and contract.mtp is None:
             raise ValueError("keep_streams needs the model's MTP halves (contract.mtp)")
         self.model, self.contract, self.config, self.keep_streams = model, contract, config, keep_streams
-        self.device = next(model.parameters()).device
+        self.device = contract.device
         if self.device.type == "cpu":
             backend.keep_freed_host_memory()
             cpu_gemm.pack_model(model)  # bf16 weights into oneDNN's layout, once, dense copies dropped (fp32: no-op)
         self.specs = model.cache_specs(config.block_size)
         self.num_blocks = dict(num_blocks)
-        model.allocate_caches(self.num_blocks, config.block_size)
-        self._caches = self._cache_pointers()  # the caches this runner allocated (and its graphs were built over)
+        # the cache tensors, by group in spec order: this runner owns them (PD's KV transfer registers them)
+        self.cache_tensors = bind_new_caches(model, self.num_blocks, config.block_size, self, contract)
         self.graphs = None  # exe_mode graph: the decode steps' compiled buckets
         if config.exe_mode == "graph":
             self.graphs = GraphRunner(model, contract, config, [s.name for s in self.specs], self.device,
                                       keep_streams)
             self.graphs.capture()
 
-    def _cache_pointers(self) -> list[int]:
-        return [t.data_ptr() for ts in self.model.cache_tensors().values() for t in ts]
-
     def check_caches(self) -> None:
         """RuntimeError when the model's caches are no longer the ones this runner allocated: another engine on the
-        same model reallocated them, and this engine's block tables (and graphs) would read and write its blocks."""
-        if self._cache_pointers() != self._caches:
+        same model (or prefill_logits) bound its own, and this engine's block tables (and graphs) would read and
+        write its blocks."""
+        if (owner := _CACHE_OWNER.get(self.model)) is None or owner() is not self:
             raise RuntimeError("the model's KV caches were reallocated by another engine on the same model: "
                                "give each engine its own model")
 

@@ -91,11 +91,11 @@ class PDConnector:
         self.async_engine: EngineHost | None = None
 
     def bind(self, engine: LLMEngine, async_engine: EngineHost, loop: asyncio.AbstractEventLoop | None) -> None:
-        """At start, on every rank: register the engine's cache tensors (its model's `cache_tensors()`) with the
-        transport; `async_engine` runs the engine's thread (loop: the server's event loop on rank 0, None
+        """At start, on every rank: register the engine's cache tensors (its runner's `cache_tensors`, which it owns)
+        with the transport; `async_engine` runs the engine's thread (loop: the server's event loop on rank 0, None
         elsewhere)."""
         self.engine, self.async_engine = engine, async_engine
-        self.layout = CacheLayout.from_tensors(engine.model.cache_tensors())
+        self.layout = CacheLayout.from_tensors(engine.runner.cache_tensors)
         self.transport.register(self.layout.regions())
         tp = engine.parallel.group("attn_tp")
         self.num_tp, self.tp_rank = par.group_size(tp), par.group_rank(tp)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app(async_engine, tokenizer, model_name)` -> a FastAPI app.
 
-POST /v1/completions (completions.py), POST /v1/chat/completions (chat.py): JSON, or server-sent events with
-`stream: true`, over the request path they share (openai_serving.py); GET /v1/models, GET /health, GET /metrics.
+POST /v1/completions (completions.py), POST /v1/chat/completions (chat.py), POST /v1/responses (responses.py): JSON,
+or server-sent events with `stream: true`, over the request path they share (openai_serving.py); GET and DELETE
+/v1/responses/{id} (the responses store); GET /v1/models, GET /health, GET /metrics.
 Every error is an OpenAI error body; no traceback ever reaches a client.
 
 A request whose engine step failed answers 500 (an OpenAI error body), or in a stream ends with a choice whose
@@ -30,6 +31,7 @@ from .media_connector import MediaConnector
 from .metrics import ServerMetrics
 from .openai_serving import OpenAIServing
 from .pd_routes import add_prefill_routes
+from .response_store import DEFAULT_MAX_ENTRIES, ResponseStore
 from .responses import OpenAIServingResponses
 
 logger = logging.getLogger("npu_cookbook.serving")
@@ -54,9 +56,11 @@ class EndQuietlyOnCancel:
 
 def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key: str | None = None,
               drain_timeout: float = 0.0, chat_format: ChatFormat | None = None, media: MediaConnector | None = None,
-              max_images: int = 8) -> FastAPI:
+              max_images: int = 8, responses_store_size: int = DEFAULT_MAX_ENTRIES) -> FastAPI:
     """chat_format: the model's (chat_format.py); None: the tokenizer's chat template (no tools). media, max_images:
     how image URLs are fetched (bounded bytes, time, pixels) and how many images a request may carry.
+    responses_store_size: the most /v1/responses kept for previous_response_id and retrieval (least recently used
+    evicted first; 0: none is stored).
     PD roles: the engine's kv_connector decides (a DecodeConnector takes requests that name a prefill instance
     in the X-PD-Prefill header; a PrefillConnector adds the /pd routes)."""
     engine = async_engine.engine
@@ -119,7 +123,10 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
     chat_format = chat_format if chat_format is not None else TemplateChatFormat(tokenizer)
     chat = OpenAIServingChat(serving, chat_format)
     app.post("/v1/chat/completions", dependencies=authorized)(chat.create)
-    app.post("/v1/responses", dependencies=authorized)(OpenAIServingResponses(serving, chat).create)
+    responses = OpenAIServingResponses(serving, chat, ResponseStore(responses_store_size))
+    app.post("/v1/responses", dependencies=authorized)(responses.create)
+    app.get("/v1/responses/{response_id}", dependencies=authorized)(responses.retrieve)
+    app.delete("/v1/responses/{response_id}", dependencies=authorized)(responses.delete)
 
     @app.get("/v1/models", dependencies=authorized)
     async def models():

@@ -7,19 +7,22 @@ content or this server's encrypted_content becomes the assistant's reasoning_con
 first), tools (flat function tools; strict null is strict false), tool_choice ("auto" also without tools),
 parallel_tool_calls, text.format (text / json_object / json_schema), max_output_tokens, reasoning.effort,
 temperature, top_p, stream, model, metadata, user, safety_identifier, prompt_cache_key (opaque ids: prefix caching
-needs no key), service_tier "auto" / "default", include ["reasoning.encrypted_content"], truncation "disabled".
+needs no key), service_tier "auto" / "default", include ["reasoning.encrypted_content"], truncation "disabled",
+store and previous_response_id (response_store.py: store defaults to true, as OpenAI's; the continuation's input
+follows the stored conversation and the previous response's output, with this request's own instructions and tools --
+those of the previous request are not carried over, as OpenAI documents; a function_call_output may answer a call of
+the previous response).
 
 reasoning.effort -> the chat format's thinking mode and reasoning effort, as DeepSeek's API maps OpenAI's efforts:
 absent or null: the format's default (DeepSeek-V4: chat, no thinking); "none": thinking off; "low", "medium", "high":
 thinking at the default effort (DeepSeek-V4: "high", the plain thinking prompt); "xhigh", "max": thinking at "max"
 (a format without a max effort refuses it). "minimal" has no counterpart and is refused.
 
-Refused: store true, previous_response_id and conversation (nothing is stored, so nothing can be referred to
-later), background true, prompt (stored prompt templates), truncation "auto", other include values, top_logprobs,
-stream_options.include_obfuscation true, max_tool_calls, text.verbosity other than "medium", reasoning summaries
-other than "auto" (none is written; the reasoning itself is returned as reasoning_text), built-in and custom tools,
-non-text content parts, item_reference items, reasoning items with a summary or with encrypted_content from
-elsewhere.
+Refused: conversation (conversation objects: use previous_response_id), background true, prompt (stored prompt
+templates), truncation "auto", other include values, top_logprobs, stream_options.include_obfuscation true,
+max_tool_calls, text.verbosity other than "medium", reasoning summaries other than "auto" (none is written; the
+reasoning itself is returned as reasoning_text), built-in and custom tools, non-text content parts, item_reference
+items (send the item itself), reasoning items with a summary or with encrypted_content from elsewhere.
 
 The items become OpenAI chat messages (what chat.py's Conversation holds): a run of reasoning, assistant message and
 function_call items is one assistant message (reasoning_content, content, tool_calls) -- a reasoning or message item
@@ -31,7 +34,7 @@ import base64
 import binascii
 import json
 from collections.abc import Iterator
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
@@ -268,27 +271,25 @@ class ResponsesRequest(_Strict):
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    metadata: dict[StrictStr, StrictStr] | None = None  # echoed; nothing is stored
+    metadata: dict[StrictStr, StrictStr] | None = None  # echoed (and stored with the response)
     user: StrictStr | None = None
     safety_identifier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None
     service_tier: StrictStr | None = None
     include: list[StrictStr] | None = None
     truncation: StrictStr | None = None
+    store: StrictBool | None = None  # null: true (OpenAI's default)
+    previous_response_id: Annotated[StrictStr, Field(min_length=1)] | None = None
     # refused unless no-op
-    store: StrictBool | None = None
-    previous_response_id: StrictStr | None = None
     conversation: Any = None
     background: StrictBool | None = None
     prompt: Any = None
     top_logprobs: StrictInt | None = None
     max_tool_calls: StrictInt | None = None
 
-    NOT_STORED: ClassVar[str] = " (nothing is stored: send the whole conversation in input)"
     UNSUPPORTED = (
-        ("store", lambda v, _: not v, _unsupported("storing responses is", "false or null") + NOT_STORED),
-        ("previous_response_id", _is_none, _unsupported("previous_response_id is", "null") + NOT_STORED),
-        ("conversation", _is_none, _unsupported("conversations are", "null") + NOT_STORED),
+        ("conversation", _is_none, _unsupported("conversations are", "null") +
+         " (continue a stored response with previous_response_id, or send the whole conversation in input)"),
         ("background", lambda v, _: not v, _unsupported("background responses are", "false or null")),
         ("prompt", _is_none, _unsupported("stored prompt templates are", "null")),
         ("top_logprobs", _is_zero, _unsupported("log-probs are", "0 or null")),
@@ -313,7 +314,8 @@ class ResponsesRequest(_Strict):
                 errors.append(("unsupported", (i, "type"), _unsupported(
                     f"{kind!r} items are" if isinstance(kind, str) else "an item that is not an object is",
                     "message, function_call, function_call_output or reasoning") +
-                    (" (nothing is stored to refer to)" if kind == "item_reference" else ""), item))
+                    (" (send the item itself, or previous_response_id to continue a stored response)"
+                     if kind == "item_reference" else ""), item))
                 continue
             try:
                 items.append(model.model_validate(item))
@@ -349,7 +351,8 @@ class ResponsesRequest(_Strict):
         if fmt is not None and fmt.type != "text" and self.forces_tool_calls:
             yield ("text", "format"), ("a JSON text format cannot be combined with a forced tool call "
                                        "(tool_choice required or named, strict tools or parallel_tool_calls: false)")
-        yield from self._pairing()
+        if self.previous_response_id is None:  # else checked with the stored conversation first (continuing)
+            yield from self._pairing()
         yield from super()._refusals()
 
     def _pairing(self) -> Iterator[Refusal]:
@@ -374,6 +377,26 @@ class ResponsesRequest(_Strict):
                     turn_calls, in_turn = [], True
             else:
                 in_turn = False
+
+    # ------------------------------------------------------------ a stored conversation continued
+
+    @property
+    def input_items(self) -> list:
+        """The input as items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    def continuing(self, history: list) -> "ResponsesRequest":
+        """This request as the next turn of a stored conversation: its input after `history` (the items the previous
+        response answered, then its output as items: output_items), its own instructions, tools and settings.
+        ContinuationError when one of its items does not fit there (a function_call_output that answers no call)."""
+        combined = self.model_copy(update={"input": list(history) + self.input_items})
+        for loc, message in combined._pairing():
+            if loc[1] >= len(history):  # the history was checked when it was sent
+                param = ".".join(str(x) for x in ("input", loc[1] - len(history)) + loc[2:])
+                raise ContinuationError(param, message)
+        return combined
 
     # ------------------------------------------------------------ what the chat path takes
 
@@ -455,6 +478,18 @@ class ResponsesRequest(_Strict):
                               top_p=1.0 if self.top_p is None else self.top_p,
                               max_tokens=self.max_output_tokens or max(1, max_model_len - prompt_len),
                               structured_outputs=structured_outputs, skip_special_tokens=False)
+
+
+class ContinuationError(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def output_items(output: list[dict]) -> list:
+    """A response's output items as the input items a client would send back (ValidationError: one that cannot
+    be, a function call cut off before its arguments were a JSON object)."""
+    return [ITEMS[item["type"]].model_validate(item) for item in output]
 
 
 def _new_turn(out: list) -> dict:

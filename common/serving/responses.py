@@ -9,7 +9,14 @@ response.content_part.added, response.reasoning_text.delta / response.output_tex
 response.content_part.done, for a call response.function_call_arguments.delta (per complete argument) and .done;
 response.output_item.done; last response.completed, or response.incomplete (max_output_tokens reached), with the
 whole response (its output holds every item, with the ids the events used). A generation that fails ends the stream
-with response.failed (status "failed", error {code: "server_error", message}). Nothing is stored (store false)."""
+with response.failed (status "failed", error {code: "server_error", message}).
+
+Stored (response_store.py) unless `store` is false -- OpenAI's default is true -- once it ends (completed, incomplete
+or failed; before its last event is sent, so the client can continue it at once); a server started with a store size
+of 0 stores nothing (store true: 400). `previous_response_id` continues a stored response: its conversation and output
+items, then this request's input (its own instructions and tools); an id not in the store (never stored, deleted or
+evicted) is a 404 naming previous_response_id. GET /v1/responses/{id} returns a stored response, DELETE removes it
+(404 when it is not in the store)."""
 from __future__ import annotations
 
 import itertools
@@ -20,6 +27,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from common.engine.sampling_params import StructuredOutputsParams
 
@@ -27,7 +35,8 @@ from .chat import OpenAIServingChat
 from .chat_format import ChatFormatError, ChatPrompt, Conversation, Delta
 from .http_utils import APIError
 from .openai_serving import FAILED, OpenAIServing, sse
-from .protocol_responses import ResponsesRequest, encode_reasoning
+from .protocol_responses import ContinuationError, ResponsesRequest, encode_reasoning, output_items
+from .response_store import ResponseStore
 
 logger = logging.getLogger("npu_cookbook.serving")
 # the chat request's field -> the Responses request's, for the chat format's refusals
@@ -134,8 +143,58 @@ class OutputItems:
 
 
 class OpenAIServingResponses:
-    def __init__(self, serving: OpenAIServing, chat: OpenAIServingChat):
+    def __init__(self, serving: OpenAIServing, chat: OpenAIServingChat, store: ResponseStore | None = None):
         self.serving, self.chat = serving, chat
+        self.store = store if store is not None else ResponseStore()
+
+    def stores(self, body: ResponsesRequest) -> bool:
+        """Whether this response is stored: store true or null (OpenAI's default), when the server keeps a store."""
+        if body.store and not self.store.enabled:
+            raise APIError(400, "store: this server stores no responses (its store size is 0); send store: false",
+                           param="store")
+        return body.store is not False and self.store.enabled
+
+    def continued(self, body: ResponsesRequest) -> ResponsesRequest:
+        """The request after the stored conversation its previous_response_id names; 404 when that is not stored."""
+        previous = body.previous_response_id
+        if previous is None:
+            return body
+        entry = self.store.get(previous)
+        if entry is None:
+            raise APIError(404, f"previous_response_id: previous response with id {previous!r} not found (it was not "
+                                f"stored, was deleted, or was evicted: this server keeps the last "
+                                f"{self.store.max_entries} stored responses)", param="previous_response_id")
+        try:
+            history = list(entry.conversation) + output_items(entry.response["output"])
+        except ValidationError:
+            raise APIError(400, f"previous_response_id: response {previous!r} ends in a function call cut off before "
+                                "its arguments were complete; it cannot be continued", param="previous_response_id")
+        try:
+            return body.continuing(history)
+        except ContinuationError as e:
+            raise APIError(400, f"{e.param}: {e}", param=e.param) from None
+
+    def stored(self, response_id: str) -> dict:
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise APIError(404, f"response_id: response with id {response_id!r} not found (not stored, deleted or "
+                                "evicted)", param="response_id")
+        return entry.response
+
+    async def retrieve(self, response_id: str, raw: Request):
+        """GET /v1/responses/{response_id}: the stored response, whole (no query parameter but stream=false: there
+        are no background responses whose events could be streamed again)."""
+        for key, value in raw.query_params.multi_items():
+            if not (key == "stream" and value.lower() == "false"):
+                raise APIError(400, f"{key}: not supported by this server when retrieving a response (it is returned "
+                                    "whole, as stored)", param=key)
+        return self.stored(response_id)
+
+    async def delete(self, response_id: str):
+        """DELETE /v1/responses/{response_id}: removed from the store."""
+        self.stored(response_id)
+        self.store.pop(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     def render(self, body: ResponsesRequest) -> tuple[ChatPrompt, StructuredOutputsParams | None]:
         """The prompt and the constraint (chat.py's, for the conversation the input items are)."""
@@ -156,6 +215,7 @@ class OpenAIServingResponses:
         arrival, created = time.perf_counter(), int(time.time())
         s.check_model(body.model)
         response_id = f"resp_{uuid.uuid4().hex}"
+        store, body = self.stores(body), self.continued(body)
         prompt, constraint = self.render(body)
         await s.check_constraint(constraint, "tool_choice" if body.forces_tool_calls else "text.format")
         prompts = [s.tokenize(prompt.text, add_special_tokens=False)]  # the chat format writes its BOS
@@ -180,9 +240,10 @@ class OpenAIServingResponses:
                  "background": False, "error": None, "incomplete_details": None, "instructions": body.instructions,
                  "max_output_tokens": body.max_output_tokens, "max_tool_calls": None,
                  "metadata": body.metadata or {}, "model": s.model_name, "output": items.snapshot(),
-                 "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
+                 "parallel_tool_calls": body.parallel_tool_calls is not False,
+                 "previous_response_id": body.previous_response_id,
                  "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
-                 "service_tier": "default", "store": False,
+                 "service_tier": "default", "store": store,
                  "temperature": 1.0 if body.temperature is None else body.temperature,
                  "text": {"format": (body.text.format if body.text is not None and body.text.format is not None
                                      else {"type": "text"})},
@@ -198,6 +259,12 @@ class OpenAIServingResponses:
                 r["incomplete_details"] = {"reason": "max_output_tokens"}
             elif status == "failed":
                 r["error"] = {"code": "server_error", "message": f"generation failed: {error}"}
+            return r
+
+        def keep(r: dict) -> dict:
+            """The final response, stored first when it is to be."""
+            if store:
+                self.store.put(r, body.input_items)
             return r
 
         def status_of(out) -> str:
@@ -230,13 +297,13 @@ class OpenAIServingResponses:
                     logger.exception("generation failed mid-stream")
                     failure = str(e)
                 if failure is not None:
-                    yield frame({"type": "response.failed", "response": response("failed", error=failure)})
+                    yield frame({"type": "response.failed", "response": keep(response("failed", error=failure))})
                     yield FAILED
                     return
                 status = status_of(final)
                 for event in items.finish(status == "incomplete"):
                     yield frame(event)
-                yield frame({"type": f"response.{status}", "response": response(status, final)})
+                yield frame({"type": f"response.{status}", "response": keep(response(status, final))})
             return s.stream(started, arrival, events)
 
         finals = await s.generate_whole(prompts, params, 1, response_id, arrival, raw)
@@ -245,4 +312,4 @@ class OpenAIServingResponses:
         out = finals[0]
         items.feed(decoder.deltas(out))
         items.finish(status_of(out) == "incomplete")
-        return response(status_of(out), out)
+        return keep(response(status_of(out), out))

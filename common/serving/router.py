@@ -3,33 +3,46 @@
     python -m common.serving.router --upstream http://127.0.0.1:8001 --upstream http://127.0.0.1:8002 \
         [--host 127.0.0.1] [--port 8000] [--health-interval 1.0]
 
-Each `POST /v1/completions` or `/v1/chat/completions` goes, body and Authorization header as they are, to the
-live instance with the fewest outstanding requests (ties: round robin). Streaming answers (SSE) are relayed
-chunk by chunk as they arrive; other answers pass through with their status code and body (400, 401, 503 from
-an instance included). An instance that refuses the connection or times out is marked down and the request
-is tried once more on another one; a background task polls every instance's `/health` each health_interval
-seconds and marks it down (no answer, 5xx) or up (answers). A client that goes away mid-stream closes the
-upstream stream, so the instance aborts the request and frees its KV blocks; one that goes away before the answer
-starts (a whole response, or a stream before its first byte) cancels the upstream request the same way.
+Every request under /v1 (GET, POST, DELETE: `/v1/completions`, `/v1/chat/completions`, `/v1/responses`,
+`/v1/responses/{id}`, `/v1/models`, whatever the instances serve there) goes, method, path, query, body and
+Authorization header as they are, to the live instance with the fewest outstanding requests (ties: round robin).
+Streaming answers (SSE) are relayed chunk by chunk as they arrive; other answers pass through with their status code
+and body (400, 401, 404, 503 from an instance included). An instance that refuses the connection or times out is
+marked down and the request is tried once more on another one; a background task polls every instance's `/health`
+each health_interval seconds and marks it down (no answer, 5xx) or up (answers). A client that goes away mid-stream
+closes the upstream stream, so the instance aborts the request and frees its KV blocks; one that goes away before the
+answer starts (a whole response, or a stream before its first byte) cancels the upstream request the same way.
 
-`GET /v1/models` comes from any live instance, `GET /health` is 200 while one instance is up, and
-`GET /router/stats` lists url, up, outstanding and served per instance. With no instance up, requests get 503
-with an OpenAI-style error body and Retry-After.
+Stored responses live on the instance that made them, so a request that names one -- `previous_response_id` in a
+`POST /v1/responses`, or `GET` / `DELETE /v1/responses/{id}` -- goes to that instance whatever its load: the router
+remembers the instance of each stored response it relayed (read from the answer, or from a stream's
+response.created event; the last max_response_owners ids), and asks every live instance (`GET /v1/responses/{id}`)
+for an id it does not know (one relayed before a router restart). An id no instance holds goes to any instance, which
+answers its 404; an id whose instance is down gets 503 (the store is in that instance's memory).
+
+`GET /health` is 200 while one instance is up, and `GET /router/stats` lists url, up, outstanding and served per
+instance (the router's own routes; an instance's /metrics is read from the instance). With no instance up, requests
+get 503 with an OpenAI-style error body and Retry-After.
 
 PD disaggregation (`--prefill URL`, repeated; the --upstream instances are then the decode instances): each
-request is paired with the live prefill instance with the fewest outstanding requests and the live decode
-instance likewise, and goes to the decode instance with the prefill instance's URL in `X-PD-Prefill`; the decode
-instance has it prefilled there and streams its answer, relayed as above. With no live prefill or no live decode
-instance requests get 503. `python -m common.serving.router --prefill http://P:8001 --upstream http://D:8002`.
+generation request (completions, chat, responses) is paired with the live prefill instance with the fewest
+outstanding requests and the live decode instance likewise (for a continuation, the one that stores
+previous_response_id), and goes to the decode instance with the prefill instance's URL in `X-PD-Prefill`; the decode
+instance has it prefilled there and streams its answer, relayed as above. Other requests go to a decode instance
+alone. With no live prefill or no live decode instance requests get 503.
+`python -m common.serving.router --prefill http://P:8001 --upstream http://D:8002`.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from urllib.parse import quote
 
 import anyio
 from fastapi import FastAPI, Request
@@ -48,6 +61,8 @@ log = logging.getLogger("router")
 FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 FORWARD_RESPONSE_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control")
 UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # PD pairs these with a prefill
+RESPONSES, STORED_RESPONSE = "/v1/responses", "/v1/responses/"
 
 
 @dataclass(eq=False)  # identity: the same URL twice is two instances
@@ -62,14 +77,30 @@ def error_body(message: str, type_: str = "service_unavailable", code: int | str
     return {"error": {"message": message, "type": type_, "param": None, "code": code}}
 
 
+def referenced_response(method: str, path: str, body: bytes) -> str | None:
+    """The id of the stored response a request needs: /v1/responses/{id}[/...], or a new response's
+    previous_response_id (a body the router cannot read names none: the instance answers its 400)."""
+    if path.startswith(STORED_RESPONSE):
+        return path[len(STORED_RESPONSE):].split("/")[0] or None
+    if method != "POST" or path != RESPONSES or b"previous_response_id" not in body:
+        return None
+    try:
+        previous = json.loads(body).get("previous_response_id")
+    except (ValueError, AttributeError):
+        return None
+    return previous if isinstance(previous, str) and previous else None
+
+
 class Router:
     """The instances, their state, and the choice of one for the next request."""
 
     def __init__(self, urls: list[str], health_interval: float = 1.0, health_timeout: float = 2.0,
-                 connect_timeout: float = 5.0, prefill_urls: list[str] = ()):
+                 connect_timeout: float = 5.0, prefill_urls: list[str] = (), max_response_owners: int = 1 << 16):
         assert urls, "at least one upstream"
         self.upstreams = [Upstream(u.rstrip("/")) for u in urls]
         self.prefills = [Upstream(u.rstrip("/")) for u in prefill_urls]  # PD: the upstreams decode
+        self.owners: OrderedDict[str, Upstream] = OrderedDict()  # stored response id -> its instance
+        self.max_response_owners = max_response_owners
         self.health_interval, self.health_timeout = health_interval, health_timeout
         self.retry_after = str(max(1, math.ceil(health_interval)))
         self._rr = 0
@@ -112,23 +143,72 @@ class Router:
     def available(self) -> bool:
         return any(u.up for u in self.upstreams) and (not self.prefills or any(u.up for u in self.prefills))
 
-    def unavailable(self, what: str = "upstream") -> JSONResponse:
-        return JSONResponse(error_body(f"no {what} instance is available; retry later"), status_code=503,
+    def unavailable(self, what: str = "upstream", message: str | None = None) -> JSONResponse:
+        return JSONResponse(error_body(message or f"no {what} instance is available; retry later"), status_code=503,
                             headers={"Retry-After": self.retry_after})
 
-    async def forward(self, request: Request, path: str) -> Response:
+    def remember(self, response: object, u: Upstream) -> None:
+        """A relayed response object that was stored: its id is u's (the oldest id forgotten past
+        max_response_owners: owner() finds it again)."""
+        if isinstance(response, dict) and response.get("store") is True and isinstance(response.get("id"), str):
+            self.own(response["id"], u)
+
+    def own(self, response_id: str, u: Upstream) -> None:
+        self.owners[response_id] = u
+        self.owners.move_to_end(response_id)
+        while len(self.owners) > self.max_response_owners:
+            self.owners.popitem(last=False)
+
+    async def owner(self, response_id: str, headers: dict) -> Upstream | None:
+        """The instance that stores response_id: remembered, else the live instance that answers its
+        GET /v1/responses/{id} with 200; None when no instance does."""
+        if (u := self.owners.get(response_id)) is not None:
+            self.owners.move_to_end(response_id)
+            return u
+        auth = {k: v for k, v in headers.items() if k == "authorization"}
+
+        async def holds(u: Upstream) -> bool:
+            try:
+                r = await self.client.get(f"{u.url}{STORED_RESPONSE}{quote(response_id, safe='')}", headers=auth,
+                                          timeout=self.health_timeout)
+            except httpx.HTTPError:
+                return False
+            return r.status_code == 200
+
+        live = [u for u in self.upstreams if u.up]
+        for u, found in zip(live, await asyncio.gather(*(holds(u) for u in live))):
+            if found:
+                self.own(response_id, u)
+                return u
+        return None
+
+    async def forward(self, request: Request) -> Response:
+        """A /v1 request to an instance: the one that stores the response it names, else the least loaded (PD: with a
+        prefill instance for a generation request)."""
+        method, path = request.method, request.url.path
+        target = request.scope.get("raw_path", path.encode()).decode("latin-1")  # the path as the client encoded it
+        if request.url.query:
+            target += "?" + request.url.query
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k in FORWARD_REQUEST_HEADERS}
         headers["accept-encoding"] = "identity"  # relay raw bytes as they are
+        owner = None
+        if (response_id := referenced_response(method, path, body)) is not None:
+            owner = await self.owner(response_id, headers)
+            if owner is not None and not owner.up:
+                return self.unavailable(message=f"the instance that stores response {response_id!r} ({owner.url}) "
+                                                "is down; retry later")
         prefill = None
-        if self.prefills:  # PD: the decode instance has this one prefill the request
+        if self.prefills and method == "POST" and path in GENERATION_PATHS:  # PD: the decode instance has it prefilled
             prefill = self.pick(pool=self.prefills)
             if prefill is None:
                 return self.unavailable("prefill")
             headers[PREFILL_HEADER] = prefill.url
             prefill.outstanding += 1
+        learn = method == "POST" and path == RESPONSES
         try:  # a client gone before the answer starts cancels the upstream request (the instance then aborts it)
-            finished, response = await run_unless_disconnected(request, self._forward(path, body, headers, prefill))
+            finished, response = await run_unless_disconnected(
+                request, self._forward(method, target, body, headers, prefill, owner, learn))
         except BaseException:
             if prefill is not None:
                 prefill.outstanding -= 1
@@ -137,18 +217,23 @@ class Router:
             if prefill is not None:
                 prefill.outstanding -= 1
             return Response(status_code=499)  # nobody is listening
+        if method == "DELETE" and response_id is not None and response.status_code == 200:
+            self.owners.pop(response_id, None)
         return response
 
-    async def _forward(self, path: str, body: bytes, headers: dict, prefill: Upstream | None) -> Response:
+    async def _forward(self, method: str, target: str, body: bytes, headers: dict, prefill: Upstream | None,
+                       owner: Upstream | None, learn: bool) -> Response:
+        """To `owner` (once), else to the least loaded instance, then once more elsewhere if it cannot be reached.
+        learn: remember the instance of the response this answer stores."""
         tried: tuple[Upstream, ...] = ()
-        for _ in range(2):  # the first choice, then one retry elsewhere
-            u = self.pick(tried)
+        for _ in range(1 if owner is not None else 2):
+            u = owner if owner is not None else self.pick(tried)
             if u is None:
                 break
             tried += (u,)
             u.outstanding += 1
             try:
-                upstream = await self.client.send(self.client.build_request("POST", u.url + path, content=body,
+                upstream = await self.client.send(self.client.build_request(method, u.url + target, content=body,
                                                                             headers=headers), stream=True)
             except (*UNREACHABLE, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
                 u.outstanding -= 1
@@ -157,12 +242,16 @@ class Router:
             except BaseException:
                 u.outstanding -= 1
                 raise
-            return await self.relay(u, upstream, prefill)
+            return await self.relay(u, upstream, prefill, learn)
         if prefill is not None:
             prefill.outstanding -= 1
+        if owner is not None:
+            return self.unavailable(message=f"the instance that stores the response ({owner.url}) cannot be reached; "
+                                            "retry later")
         return self.unavailable("decode" if prefill is not None else "upstream")
 
-    async def relay(self, u: Upstream, upstream: httpx.Response, prefill: Upstream | None = None) -> Response:
+    async def relay(self, u: Upstream, upstream: httpx.Response, prefill: Upstream | None = None,
+                    learn: bool = False) -> Response:
         def release():
             for x in (u, prefill) if prefill is not None else (u,):
                 x.outstanding -= 1
@@ -179,17 +268,48 @@ class Router:
             finally:
                 await upstream.aclose()
                 release()
+            if learn and upstream.status_code == 200:
+                with contextlib.suppress(ValueError):
+                    self.remember(json.loads(content), u)
             return Response(content, status_code=upstream.status_code, headers=headers)
-        return Relay(upstream, headers, release)
+        watch = FirstEvent(lambda event: self.remember(event.get("response"), u)) if learn else None
+        return Relay(upstream, headers, release, watch)
+
+
+class FirstEvent:
+    """The first event of a relayed SSE stream (a response stream's response.created, which holds the response's id
+    and store), handed to on_event as it passes; looked for in the first LIMIT bytes only."""
+    LIMIT = 1 << 20
+
+    def __init__(self, on_event):
+        self.on_event, self.head, self.done = on_event, b"", False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.done:
+            return
+        self.head += chunk
+        end = self.head.find(b"\n\n")
+        if end < 0:
+            self.done = len(self.head) > self.LIMIT
+            return
+        self.done = True
+        for line in self.head[:end].split(b"\n"):
+            if line.startswith(b"data:"):
+                with contextlib.suppress(ValueError):
+                    event = json.loads(line[5:])
+                    if isinstance(event, dict):
+                        self.on_event(event)
+        self.head = b""
 
 
 class Relay(Response):
-    """Relays an upstream SSE stream chunk by chunk; closes it when the client goes away."""
+    """Relays an upstream SSE stream chunk by chunk; closes it when the client goes away. watch: sees each chunk
+    before the client does."""
 
-    def __init__(self, upstream: httpx.Response, headers: dict, on_close):
+    def __init__(self, upstream: httpx.Response, headers: dict, on_close, watch: FirstEvent | None = None):
         self.status_code, self.background = upstream.status_code, None
         self.init_headers(headers)  # no body, so no Content-Length: chunked transfer
-        self.upstream, self.on_close = upstream, on_close
+        self.upstream, self.on_close, self.watch = upstream, on_close, watch
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -208,6 +328,8 @@ class Relay(Response):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             try:
                 async for chunk in self.upstream.aiter_raw():
+                    if self.watch is not None:
+                        self.watch.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except httpx.TransportError as e:  # the instance died mid-stream: end the client's stream too
                 log.warning("upstream stream broke: %s", type(e).__name__)
@@ -233,27 +355,9 @@ def build_router(upstreams: list[str], health_interval: float = 1.0, **kwargs) -
     app = FastAPI(title="npu-cookbook router", lifespan=lifespan)
     app.state.router = router
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await router.forward(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await router.forward(request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        tried: tuple[Upstream, ...] = ()
-        while (u := router.pick(tried)) is not None:
-            tried += (u,)
-            try:
-                r = await router.client.get(u.url + "/v1/models", headers={
-                    k: v for k, v in request.headers.items() if k == "authorization"})
-            except httpx.TransportError as e:
-                router.mark(u, False, type(e).__name__)
-                continue
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        return router.unavailable()
+    @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "DELETE"])
+    async def forward(request: Request):
+        return await router.forward(request)
 
     @app.get("/health")
     async def health():

@@ -540,32 +540,18 @@ class DeepseekV3(nn.Module):
                 specs.append(CacheTensorSpec(f"{name}.self_attn.indexer.k_cache", LATENT, a.index_head_dim))
         return specs
 
-    def bind_caches(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Give the model its cache tensors by CacheTensorSpec name, each [num_blocks, block_size, 1, width]:
-        allocate_caches' own, or tensors another block manager owns (vLLM's); all read the latent block table."""
+    def bind_caches(self, tensors: dict[str, torch.Tensor], tables: dict[str, str] | None = None) -> None:
+        """Give the model its cache tensors by CacheTensorSpec name, each [num_blocks, block_size, 1, width] (the
+        engine's, or vLLM's through the plugin). Every tensor is read through the latent block table: `tables` may
+        only name that (ValueError for any other)."""
         specs = self.cache_tensor_specs()
         check_cache_tensors(specs, tensors)
+        if other := sorted(name for name, table in (tables or {}).items() if table != LATENT):
+            raise ValueError(f"DeepSeek-V3 reads every cache tensor through the {LATENT!r} block table, not the "
+                             f"tables asked for {other}")
         for s in specs:
             path, attr = s.name.rsplit(".", 1)
             setattr(self.get_submodule(path), attr, tensors[s.name])
-
-    def allocate_caches(self, num_blocks: dict[str, int], block_size: int, dtype=None):
-        like = dict(dtype=dtype or self.embed.weight.dtype, device=self.embed.weight.device)
-        self.bind_caches({s.name: torch.zeros(num_blocks[LATENT], block_size, 1, s.width, **like)
-                          for s in self.cache_tensor_specs()})
-
-    def cache_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Every allocated cache tensor, [num_blocks, ...] each (block i at i * its block bytes), in a fixed order:
-        what PD's KV transfer registers and copies block by block."""
-        tensors = []
-        for attn in self.attention_layers():
-            tensors += [attn.kv_cache] + ([attn.indexer.k_cache] if attn.indexer is not None else [])
-        return {LATENT: tensors}
-
-    def cache_bytes_per_block(self, block_size: int) -> dict[str, int]:
-        """Bytes one block takes over all layers (from a one-block allocation)."""
-        self.allocate_caches({LATENT: 1}, block_size)
-        return {LATENT: sum(t.nbytes for t in self.cache_tensors()[LATENT])}
 
     def embed_tokens(self, input_ids: torch.Tensor, uniform: bool = False) -> torch.Tensor:
         """[T] -> [T, D]; uniform: every rank embeds T tokens (a graph-mode step: no sizes exchanged)."""
@@ -598,8 +584,9 @@ class DeepseekV3(nn.Module):
     def engine_contract(self) -> ModelContract:
         """What the engine may use of this model: its MTP layers when loaded (this model is their MTPDraftModel)."""
         a = self.args
-        return ModelContract(a.max_position_embeddings, a.vocab_size, tuple(a.eos_token_ids), self.parallel,
-                             mtp=self if len(self.mtp) else None)
+        w = self.embed.weight
+        return ModelContract(a.max_position_embeddings, a.vocab_size, tuple(a.eos_token_ids), a.hidden_size, w.dtype,
+                             w.device, self.parallel, mtp=self if len(self.mtp) else None)
 
     # MTPDraftModel (common/engine/model_contract.py): the MTP layers, fed the main model's final hidden states
     @property
@@ -615,12 +602,3 @@ class DeepseekV3(nn.Module):
 
     def draft_logits(self, layer: int, streams: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(self.mtp[layer].final_hidden(streams))  # [B, V]
-
-
-@torch.no_grad()
-def prefill_logits(model: DeepseekV3, prompts: list[list[int]], block_size: int = 16) -> torch.Tensor:
-    """Logits of every prompt position [T, V]: the whole prompts in one step over fresh contiguous caches."""
-    groups = [g.name for g in model.cache_specs(block_size)]
-    batch, num_blocks = ForwardBatch.prefill(prompts, groups, block_size, model.embed.weight.device)
-    model.allocate_caches(dict.fromkeys(groups, num_blocks), block_size)
-    return model.compute_logits(model(batch))

@@ -677,8 +677,9 @@ class DeepseekV4(nn.Module):
             processor = DeepseekImageProcessor(ImageProcessorConfig.from_config({"vision_config": a.vision_config}),
                                                a.image_token_id, self.embed.weight.dtype)
             encoder = VisionEncoder(self.vision_model, processor)
-        return ModelContract(a.max_position_embeddings, a.vocab_size, tuple(a.eos_token_ids), self.parallel,
-                             mtp=self if len(self.mtp) else None, encoder=encoder,
+        w = self.embed.weight
+        return ModelContract(a.max_position_embeddings, a.vocab_size, tuple(a.eos_token_ids), a.hidden_size, w.dtype,
+                             w.device, self.parallel, mtp=self if len(self.mtp) else None, encoder=encoder,
                              finish_prefill=self.offload.finish_prefill if self.offload is not None else None)
 
     def cache_owners(self) -> list[tuple[str, nn.Module]]:
@@ -702,10 +703,10 @@ class DeepseekV4(nn.Module):
         return [CacheGroupSpec(WINDOW, block_size, keep)] + [CacheGroupSpec(compressed_group(r), block_size) for r in ratios]
 
     def bind_caches(self, tensors: dict[str, torch.Tensor], tables: dict[str, str] | None = None) -> None:
-        """Give the model its cache tensors by CacheTensorSpec name, each [num_blocks, rows a block, 1, width]:
-        allocate_caches' own, or tensors another block manager owns (vLLM's). tables: the ForwardBatch block
-        table (and slot mapping) each tensor reads, by name; by default its spec's group. The blocks of each tensor
-        hold its own shape[1] rows, so tensors that read different tables may have different block sizes."""
+        """Give the model its cache tensors by CacheTensorSpec name, each [num_blocks, rows a block, 1, width]
+        (the engine's, or vLLM's through the plugin). tables: the ForwardBatch block table (and slot mapping) each
+        tensor reads, by name; by default its spec's group. Any mapping is honoured: the blocks of each tensor hold
+        its own shape[1] rows, so tensors that read different tables may have different block sizes."""
         specs = self.cache_tensor_specs()
         check_cache_tensors(specs, tensors)
         for s in specs:
@@ -713,29 +714,6 @@ class DeepseekV4(nn.Module):
             module = self.get_submodule(path)
             setattr(module, attr, tensors[s.name])
             module.cache_table[attr] = (tables or {}).get(s.name, s.group)
-
-    def allocate_caches(self, num_blocks: dict[str, int], block_size: int, dtype=None):
-        like = dict(dtype=dtype or self.embed.weight.dtype, device=self.embed.weight.device)
-        self.bind_caches({s.name: torch.zeros(num_blocks[s.group], s.rows_per_block(block_size), 1, s.width, **like)
-                          for s in self.cache_tensor_specs()})
-
-    def cache_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Every allocated cache tensor by group, in a fixed order; each is [num_blocks, ...] (block i at i * its
-        block bytes): what PD's KV transfer registers and copies block by block."""
-        groups = {}
-        for _, module in self.cache_owners():
-            for attr, group in module.cache_group.items():
-                groups.setdefault(group, []).append(getattr(module, attr))
-        return groups
-
-    def cache_bytes_per_block(self, block_size: int) -> dict[str, int]:
-        """Bytes one block of each group takes over all layers (from a one-block allocation)."""
-        groups = [g.name for g in self.cache_specs(block_size)]
-        self.allocate_caches(dict.fromkeys(groups, 1), block_size)
-        sizes = dict.fromkeys(groups, 0)
-        for g, tensors in self.cache_tensors().items():
-            sizes[g] += sum(t.nbytes for t in tensors)
-        return sizes
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> final hidden states [T, D] (feed the rows you need to `compute_logits`)."""
@@ -784,12 +762,3 @@ class DeepseekV4(nn.Module):
 
     def draft_logits(self, layer: int, streams: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(self.mtp[layer].final_hidden(streams))  # [B, V]
-
-
-@torch.no_grad()
-def prefill_logits(model: DeepseekV4, prompts: list[list[int]], block_size: int = 16) -> torch.Tensor:
-    """Logits of every prompt position [T, V]: the whole prompts in one step over fresh contiguous caches."""
-    groups = [g.name for g in model.cache_specs(block_size)]
-    batch, num_blocks = ForwardBatch.prefill(prompts, groups, block_size, model.embed.weight.device)
-    model.allocate_caches(dict.fromkeys(groups, num_blocks), block_size)
-    return model.compute_logits(model(batch))

@@ -32,6 +32,7 @@ from common.serving import AsyncLLMEngine
 from common.kv_transfer import DecodeConnector, PrefillConnector, make_transport
 from common.serving.api_server import build_app
 from common.serving.media_connector import MediaConnector
+from common.serving.response_store import DEFAULT_MAX_ENTRIES
 from cli_deepseek import ArgumentParser, add_model_args, check_model_args, fail, load
 
 
@@ -44,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder's)")
     p.add_argument("--max-waiting", type=int, default=256, help="pending requests before answering 503")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds running requests get at shutdown")
+    p.add_argument("--responses-store-size", type=int, default=DEFAULT_MAX_ENTRIES,
+                   help="/v1/responses kept in memory for previous_response_id and GET /v1/responses/{id} (least "
+                        "recently used evicted first; 0: none is stored)")
     p.add_argument("--max-consecutive-step-errors", type=int, default=3,
                    help="failed engine steps in a row after which the engine stops and /health answers 503 (a failed "
                         "step fails only its own requests)")
@@ -77,6 +81,8 @@ def parse_args(argv=None):
         p.error(f"--max-waiting must be >= 1, got {a.max_waiting}")
     if a.max_consecutive_step_errors < 1:
         p.error(f"--max-consecutive-step-errors must be >= 1, got {a.max_consecutive_step_errors}")
+    if a.responses_store_size < 0:
+        p.error(f"--responses-store-size must be >= 0, got {a.responses_store_size}")
     if a.max_images < 0:
         p.error(f"--max-images must be >= 0, got {a.max_images}")
     try:
@@ -116,7 +122,7 @@ def main(argv=None) -> int:
         return 0
     app = build_app(async_engine, tokenizer, a.served_model_name or Path(path).resolve().name, api_key=a.api_key,
                     chat_format=a.family.chat_format() if a.family.chat_format else None, media=a.media,
-                    max_images=a.max_images)
+                    max_images=a.max_images, responses_store_size=a.responses_store_size)
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
                                            timeout_graceful_shutdown=a.drain_timeout))
     # uvicorn re-raises the signal it shut down on; a no-op handler then makes a clean exit 0

@@ -103,14 +103,14 @@ class RaisesOnToken(nn.Module):
     def cache_specs(self, block_size):
         return self.model.cache_specs(block_size)
 
-    def cache_bytes_per_block(self, block_size):
-        return self.model.cache_bytes_per_block(block_size)
+    def cache_tensor_specs(self):
+        return self.model.cache_tensor_specs()
 
-    def allocate_caches(self, num_blocks, block_size):
-        return self.model.allocate_caches(num_blocks, block_size)
+    def bind_caches(self, tensors, tables=None):
+        self.model.bind_caches(tensors, tables)
 
-    def cache_tensors(self):
-        return self.model.cache_tensors()
+    def embed_tokens(self, input_ids, uniform=False):
+        return self.model.embed_tokens(input_ids, uniform)
 
-    def compute_logits(self, hidden):
-        return self.model.compute_logits(hidden)
+    def compute_logits(self, hidden, uniform=False):
+        return self.model.compute_logits(hidden, uniform)

@@ -229,8 +229,9 @@ def test_streamed_text_and_reasoning_through_the_stream_helper(client, server):
 # (body, the error's param, a word its message holds)
 REFUSED = [
     ({"input": "hi", "foo": 1}, "foo", "unrecognized request argument"),
-    ({"input": "hi", "store": True}, "store", "nothing is stored"),
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "nothing is stored"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation", "previous_response_id"),
+    ({"input": "hi", "store": "yes"}, "store", "valid boolean"),
+    ({"input": "hi", "previous_response_id": ""}, "previous_response_id", "at least 1 character"),
     ({"input": "hi", "background": True}, "background", "not supported"),
     ({"input": "hi", "truncation": "auto"}, "truncation", "not supported"),
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include.0", "not supported"),
@@ -247,7 +248,7 @@ REFUSED = [
      "not in tools"),
     ({"input": "hi", "tools": TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
      "text.format", "forced tool call"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "nothing is stored"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "send the item itself"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
      "input.0.content.0", "'input_image' content parts are not supported"),
     ({"input": [{"role": "assistant", "content": [{"type": "input_text", "text": "x"}]}]}, "input.0.content.0",

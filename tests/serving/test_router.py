@@ -1,11 +1,14 @@
 """The data-parallel router under real uvicorn, in front of two small stand-in OpenAI servers (also real uvicorn).
 
-The stand-ins speak just enough of /v1/completions and /v1/chat/completions (JSON and SSE) to show where a
-request went, how its stream arrived, and whether its generator was cancelled when the client went away.
+The stand-ins speak just enough of /v1/completions, /v1/chat/completions and /v1/responses (JSON and SSE, a store
+of responses behind GET / DELETE /v1/responses/{id}) to show where a request went, how its stream arrived, and
+whether its generator was cancelled when the client went away. The real server behind the router:
+test_responses_store.py, test_pd.py.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -103,6 +106,45 @@ def stand_in(name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await complete(request, chat=False)
+
+    app.state.responses, app.state.seen = {}, []
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        body = await request.json()
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in app.state.responses:
+            return JSONResponse({"error": {"message": f"{previous} not found", "type": "invalid_request_error",
+                                           "param": "previous_response_id", "code": 404}}, status_code=404)
+        r = {"id": f"resp_{name}_{len(app.state.seen)}", "object": "response", "model": name,
+             "store": body.get("store", True), "previous_response_id": previous, "output": []}
+        app.state.seen.append(r["id"])
+        if r["store"]:
+            app.state.responses[r["id"]] = r
+        if not body.get("stream"):
+            await asyncio.sleep(body.get("delay", 0.0))
+            return r
+
+        async def events():
+            yield f"event: response.created\ndata: {json.dumps({'type': 'response.created', 'response': r})}\n\n"
+            for i in range(body.get("n", 2)):
+                await asyncio.sleep(body.get("delay", 0.0))
+                yield f"event: response.output_text.delta\ndata: {json.dumps({'delta': f't{i}'})}\n\n"
+            yield f"event: response.completed\ndata: {json.dumps({'type': 'response.completed', 'response': r})}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request):
+        if response_id not in app.state.responses:
+            return JSONResponse({"error": {"message": "not found", "type": "invalid_request_error",
+                                           "param": "response_id", "code": 404}}, status_code=404)
+        return {**app.state.responses[response_id], "query": str(request.url.query)}
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str):
+        app.state.responses.pop(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -229,3 +271,71 @@ def test_client_gone_before_the_answer_cancels_the_upstream_request(cluster):
     with pytest.raises(httpx.ReadTimeout):
         client.post("/v1/completions", json={"model": "m", "prompt": [1], "delay": 5.0}, timeout=0.3)
     wait_for(lambda: all(u["outstanding"] == 0 for u in stats(client).values()), timeout=3)  # before its 5 s
+
+
+def created_response(stream) -> dict:
+    """The response of a relayed stream's first event (response.created)."""
+    first = stream.read().decode().split("\n\n")[0]
+    return json.loads(first.split("\n")[1].removeprefix("data: "))["response"]
+
+
+def test_responses_pass_through_whole_and_streamed(cluster):
+    a, b, router, client = cluster
+    r = client.post("/v1/responses", json={"input": "hi", "store": False})
+    assert r.status_code == 200 and r.json()["object"] == "response" and r.json()["store"] is False
+    with client.stream("POST", "/v1/responses", json={"input": "hi", "stream": True, "n": 3}) as s:
+        frames = [f for f in s.read().decode().split("\n\n") if f]
+    assert s.headers["content-type"].startswith("text/event-stream")
+    assert [f.split("\n")[0] for f in frames] == ["event: response.created"] + \
+        ["event: response.output_text.delta"] * 3 + ["event: response.completed"]
+    created = json.loads(frames[0].split("\n")[1].removeprefix("data: "))["response"]
+    assert created["id"] in router.app.state.router.owners  # remembered: store defaults to true
+    home = a if created["model"] == "a" else b
+    r = client.get(f"/v1/responses/{created['id']}?include=x&stream=false")  # method, path and query as sent
+    assert r.status_code == 200 and r.json()["query"] == "include=x&stream=false"
+    assert r.json()["model"] == home.app.state.name
+    assert client.get("/v1/nothing-here").status_code == 404  # the instance's own answer
+
+
+def test_a_continuation_goes_to_the_instance_that_stores_its_id(cluster):
+    a, b, router, client = cluster
+    by_model = {"a": a, "b": b}
+    first = client.post("/v1/responses", json={"input": "hi"}).json()  # whole: the id read from the body
+    with client.stream("POST", "/v1/responses", json={"input": "hi", "stream": True}) as s:
+        streamed = created_response(s)  # streamed: the id read from response.created
+    for r in (first, streamed):  # however the round robin stands (one busy stream on each instance: a tie)
+        home, other = by_model[r["model"]], by_model[{"a": "b", "b": "a"}[r["model"]]]
+        with contextlib.ExitStack() as busy:
+            lines = []  # kept: a dropped iterator closes its stream
+            for _ in range(2):
+                lines.append(busy.enter_context(client.stream("POST", "/v1/responses", json={
+                    "input": "x", "stream": True, "n": 50, "delay": 0.05, "store": False})).iter_lines())
+                next(lines[-1])
+            assert {u["outstanding"] for u in stats(client).values()} == {1}
+            for _ in range(3):
+                got = client.post("/v1/responses", json={"input": "more", "previous_response_id": r["id"]})
+                assert got.status_code == 200 and got.json()["model"] == r["model"], got.json()
+            assert client.get(f"/v1/responses/{r['id']}").json()["model"] == r["model"]
+        assert r["id"] in home.app.state.responses and r["id"] not in other.app.state.responses
+
+    # a router that never saw the id (a restart) asks every instance
+    fresh = Server(build_router([a.url, b.url], health_interval=0.2, health_timeout=0.5)).start()
+    try:
+        with httpx.Client(base_url=fresh.url, headers={"authorization": KEY}, timeout=10) as c2:
+            for _ in range(2):
+                got = c2.post("/v1/responses", json={"input": "more", "previous_response_id": first["id"]})
+                assert got.json()["model"] == first["model"]
+            r = c2.post("/v1/responses", json={"input": "more", "previous_response_id": "resp_nowhere"})
+            assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+            assert c2.delete(f"/v1/responses/{first['id']}").json()["deleted"] is True
+            assert first["id"] not in fresh.app.state.router.owners
+            assert c2.get(f"/v1/responses/{first['id']}").status_code == 404
+    finally:
+        fresh.stop()
+
+    # its instance down: 503 (its store went with it), not another instance's 404
+    home = by_model[streamed["model"]]
+    home.stop()
+    r = client.post("/v1/responses", json={"input": "more", "previous_response_id": streamed["id"]})
+    assert r.status_code == 503 and "Retry-After" in r.headers and home.url in r.json()["error"]["message"]
+    assert client.post("/v1/responses", json={"input": "new"}).status_code == 200  # the other one serves the rest

@@ -32,8 +32,9 @@ from transformers import AutoTokenizer
 from bench_utils import BENCH, RECIPE, ensure_bench
 from common import backend, ops
 from common.engine import LLM, SamplingParams
+from common.engine.model_runner import prefill_logits
 from convert_checkpoint import convert
-from modeling_deepseek_v4 import MoE, QuantLinear, prefill_logits
+from modeling_deepseek_v4 import MoE, QuantLinear
 from weights_deepseek_v4 import load_model
 
 FORMATS = ("w8a8", "w4a8")

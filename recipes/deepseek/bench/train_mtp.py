@@ -35,6 +35,7 @@ from transformers import AutoTokenizer
 from bench_utils import BENCH, ensure_bench
 from common.engine import LLM, SamplingParams
 from common.engine.forward_batch import ForwardBatch
+from common.engine.model_runner import bind_new_caches
 from common.loader.checkpoint import INDEX
 from modeling_deepseek_v4 import MTPBlock, make_ropes
 from weights_deepseek_v4 import load_model
@@ -55,7 +56,7 @@ def generate(path: Path, n: int, length: int, vocab: int) -> list[list[int]]:
 def fresh_batch(model, seq: list[int]) -> ForwardBatch:
     groups = [g.name for g in model.cache_specs(BLOCK)]
     batch, blocks = ForwardBatch.prefill([seq], groups, BLOCK)
-    model.allocate_caches(dict.fromkeys(groups, blocks), BLOCK)
+    bind_new_caches(model, dict.fromkeys(groups, blocks), BLOCK)
     return batch
 
 
@@ -109,7 +110,7 @@ def main():
     train, test = data[:-held], data[-held:]
 
     block = mtp_block(model)
-    model.mtp = torch.nn.ModuleList([block])  # allocate_caches and the MTP forward see it
+    model.mtp = torch.nn.ModuleList([block])  # the caches bound and the MTP forward see it
     block.requires_grad_(True)
     opt = torch.optim.AdamW([q for q in block.parameters() if q.requires_grad], lr=a.lr, weight_decay=0.0)
 

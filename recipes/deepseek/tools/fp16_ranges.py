@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipe's modules (a tool runs from tools/)
 from common import ops
 from common.engine.forward_batch import ForwardBatch
+from common.engine.model_runner import bind_new_caches
 from modeling_deepseek_v3 import LATENT, MoE, DeepseekV3
 from tiny_deepseek_v3 import write_tiny_checkpoint
 from weights_deepseek_v3 import load_model
@@ -70,7 +71,7 @@ def measure(model: DeepseekV3, prompts: list[list[int]]) -> dict[int, dict[str, 
     try:
         for p in prompts:
             batch, n = ForwardBatch.prefill([p], [LATENT], 16, model.embed.weight.device)
-            model.allocate_caches({LATENT: n}, 16)
+            bind_new_caches(model, {LATENT: n}, 16)
             model(batch)
     finally:
         for h in hooks:

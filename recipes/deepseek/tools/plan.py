@@ -15,9 +15,10 @@ as rank 0 of that layout (a Parallel without process groups; every rank holds th
   preset's dtype, and as upstream's converter stores them for W8A8 (int8 weights + one fp32 scale per output
   channel on the attention `wq_b` / `wo_b`, the indexer's `wq_b` and every expert, routed and shared) and W4A8
   (the same, with the routed experts int4: two per byte, a uint64 scale and an fp32 bias per output channel);
-- KV-cache bytes per token of each cache group (`cache_bytes_per_block(block_size) / block_size`, in the model's
-  dtype). Attention DP does not split the cache (each rank holds its own requests' whole cache) and under
-  attention TP the single KV head is replicated, so this is also what every rank holds per token of its requests;
+- KV-cache bytes per token of each cache group (common.kv_cache's `cache_bytes_per_block` of the model's cache
+  tensor specs, over block_size, in the model's dtype). Attention DP does not split the cache (each rank holds its
+  own requests' whole cache) and under attention TP the single KV head is replicated, so this is also what every
+  rank holds per token of its requests;
 - the tokens of KV that fit in one die after the weights, leaving `--reserve-fraction` of the die for activations
   and workspace, as the engine sizes its cache (common/engine/model_runner.blocks_that_fit: the window group
   holds what max_num_seqs requests use at once, the compressed groups the rest); whether the preset's
@@ -57,6 +58,7 @@ from common import backend
 from common import parallel as par
 from common.engine import EngineConfig
 from common.engine.model_runner import blocks_that_fit
+from common.kv_cache import cache_bytes_per_block
 import config_deepseek_v3
 import tiny_deepseek_v3
 from cli_deepseek import DTYPES, HERE, ArgumentParser, parallel_layout, read_preset
@@ -336,12 +338,13 @@ class Plan:
 def plan(cfg: dict, label: str, source: str, layout: par.LLMParallelLayout, dtype: torch.dtype, engine: dict,
          device="meta", offload_slots: int | None = None) -> tuple[Plan, ModelArgs]:
     """Rank 0 of `layout` for the config.json fields `cfg`: its weights, and its caches per block of the preset's
-    block_size (cache_bytes_per_block measures a one-block cache; on meta nothing is allocated)."""
+    block_size (arithmetic from the model's cache tensor specs: nothing is allocated)."""
     arch = architecture(cfg)
     args = arch.model_args(cfg)
     model = arch.build(args, layout, dtype, device, offload_slots)
     bs = int(engine.get("block_size", 16))
-    per_block = model.cache_bytes_per_block(bs)  # {group: bytes of one block over all layers}
+    sizes = cache_bytes_per_block(model.cache_tensor_specs(), bs, model.engine_contract().dtype)
+    per_block = {g.name: sizes[g.name] for g in model.cache_specs(bs)}  # {group: bytes of one block, all layers}
     limits = (int(engine.get("max_num_seqs", 32)), int(engine.get("max_num_batched_tokens", 1024)),
               int(engine.get("max_model_len") or args.max_position_embeddings))
     return Plan(label, source, layout, dtype, bs, arch.weight_bytes(args, layout, dtype, model),

@@ -1,12 +1,17 @@
-"""DeepseekV4.bind_caches: caches another block manager owns (vLLM's, through the plugin) may give every cache tensor
-its own block table and block size; the model then reads each through its own table, and computes what it computes
-over the caches allocate_caches makes (one block size, one table per group)."""
+"""bind_caches (common/engine/model_contract.py): DeepseekV4 takes caches another block manager owns (vLLM's, through
+the plugin) with every cache tensor in its own block table and block size, reads each through its own table, and
+computes what it computes over the engine's caches (one block size, one table per group); DeepseekV3 reads every
+tensor through its one latent table and refuses any other."""
 import pytest
 import torch
 
 from common.engine.forward_batch import ForwardBatch
+from common.engine.model_runner import prefill_logits
+from config_deepseek_v3 import ModelArgs as V3Args
 from config_deepseek_v4 import ModelArgs
-from modeling_deepseek_v4 import DeepseekV4, prefill_logits
+from modeling_deepseek_v3 import LATENT, DeepseekV3
+from modeling_deepseek_v4 import DeepseekV4
+from tiny_deepseek_v3 import tiny_config
 from tiny_deepseek_v4 import TINY_CONFIG
 
 
@@ -67,3 +72,13 @@ def test_bind_caches_refuses_missing_and_misshapen_tensors(model):
         model.bind_caches({k: v for k, v in tensors.items() if k != specs[0].name})
     with pytest.raises(ValueError, match=r"expected \[blocks, rows, 1, "):
         model.bind_caches({**tensors, specs[0].name: torch.zeros(2, 16, 1, specs[0].width + 1)})
+
+
+def test_v3_reads_every_tensor_through_the_latent_table():
+    model = DeepseekV3(V3Args.from_config(tiny_config("v32")))
+    specs = model.cache_tensor_specs()
+    tensors = {s.name: torch.zeros(2, 16, 1, s.width) for s in specs}
+    model.bind_caches(tensors, tables={s.name: LATENT for s in specs})
+    assert model.model.layers[0].self_attn.kv_cache is tensors[specs[0].name]  # kept, not copied
+    with pytest.raises(ValueError, match="through the 'latent' block table"):
+        model.bind_caches(tensors, tables={specs[0].name: specs[0].name})

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from common.engine import LLM, EngineConfig, SamplingParams
 from common.engine.forward_batch import ForwardBatch
+from common.engine.model_runner import bind_new_caches
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
@@ -83,23 +84,23 @@ def test_padding_rows_never_change_real_rows(setup):
     groups = [s.name for s in model.cache_specs(16)]
     prompts = [list(range(3, 3 + n)) for n in (30, 9, 17)]
     prefill, num_blocks = ForwardBatch.prefill(prompts, groups, 16)
-    model.allocate_caches(dict.fromkeys(groups, num_blocks + 8), 16)
+    caches = bind_new_caches(model, dict.fromkeys(groups, num_blocks + 8), 16)
     with torch.inference_mode():
         model(prefill)
         tables = [{g: prefill.block_tables[g][b, : -(-(n + 1) // 16)].tolist() for g in groups}
                   for b, n in enumerate(map(len, prompts))]
         step = ([[5], [6], [7]], [len(p) for p in prompts], tables)
         plain = model.compute_logits(model(ForwardBatch.build(*step, block_size=16)))
-        caches = [t.clone() for ts in model.cache_tensors().values() for t in ts]
+        kept = [t.clone() for ts in caches.values() for t in ts]
         padded = ForwardBatch.build(*step, block_size=16, pad_to=8, table_width=64, max_seqlen_k=1024)
         assert padded.num_seqs == 8 and padded.max_seqlen_q == 1 and padded.max_seqlen_k == 1024
         assert all(t.shape == (8, 64) for t in padded.block_tables.values())
         assert all((s[3:] == 0).all() for s in padded.slot_mapping.values())  # padding: the null block's row 0
         logits = model.compute_logits(model(padded))
-        after = [t for ts in model.cache_tensors().values() for t in ts]
+        after = [t for ts in caches.values() for t in ts]
     # fp32; the padded widths (1,024 keys, 256 / 128 entries) only change the order of the sums
     torch.testing.assert_close(logits[:3], plain, atol=1e-4, rtol=1e-4)
-    for before, now in zip(caches, after):  # the real rows' writes again; padding only in the null block 0
+    for before, now in zip(kept, after):  # the real rows' writes again; padding only in the null block 0
         torch.testing.assert_close(now[1:], before[1:], atol=1e-4, rtol=1e-4)
 
 

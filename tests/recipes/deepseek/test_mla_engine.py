@@ -87,7 +87,7 @@ def test_the_mtp_layer_loads_the_publishers_layer_and_caches_beside_the_main_one
                         ("self_attn.kv_b_proj.weight", mtp.self_attn.kv_b_proj.weight)):
         torch.testing.assert_close(param, ckpt.get(f"model.layers.{L}.{name}", torch.float32), rtol=0, atol=0)
     assert not any(n.startswith(f"model.layers.{L}.embed_tokens") for n in model.checkpoint_reads)  # shared: unread
-    assert len(model.cache_tensors()["latent"]) == L + 1  # one latent cache per layer, the MTP layer's too
+    assert sum(s.group == "latent" for s in model.cache_tensor_specs()) == L + 1  # a latent cache per layer, MTP's too
     plain = load_model(path, torch.float32)
     assert not len(plain.mtp) and not any(n.startswith(f"model.layers.{L}.") for n in plain.checkpoint_reads)
     none = write_tiny_checkpoint(tmp_path / "no-mtp", seed=3, quantized=False, num_nextn_predict_layers=0)
@@ -115,7 +115,7 @@ def rank_main(path, world, layout, engine_kwargs, out_dir):
     """One rank: its slice of the checkpoint, its DP rank's prompts' prefill logits, then greedy generation of
     every prompt through the engine (each DP rank runs its share)."""
     from common.parallel import LLMParallelLayout, destroy_parallel, init_parallel
-    from modeling_deepseek_v3 import prefill_logits
+    from common.engine.model_runner import prefill_logits
     parallel = init_parallel(LLMParallelLayout(world_size=world, **layout))
     try:
         mtp = engine_kwargs.get("num_speculative_tokens", 0) > 0
@@ -152,7 +152,7 @@ def test_ranks_equal_one_process(setup, checkpoints, tmp_path, variant, layout, 
     the one-process model's on the same prompts (1e-4) and its greedy tokens equal one process's."""
     from common.parallel import LLMParallelLayout
     from dist_helpers import run_ranks
-    from modeling_deepseek_v3 import prefill_logits
+    from common.engine.model_runner import prefill_logits
     path = checkpoints[variant]
     run_ranks(rank_main, 2, path, 2, layout, engine_kwargs, tmp_path)
     model, _, plain = setup[variant]
@@ -212,7 +212,7 @@ def test_graph_mode_with_mtp_equals_plain(setup, checkpoints):
 
 def test_pd_disaggregation_equals_colocated(checkpoints):
     """A prefill and a decode server (real uvicorn, Mooncake transfer engines over TCP) behind the router, the V3
-    tiny model: the latent blocks (every layer's, the model's cache_tensors()) move from P to D, and D's greedy
+    tiny model: the latent blocks (every layer's, the engine's cache tensors) move from P to D, and D's greedy
     tokens and log-probs equal one engine's; P prefilled every prompt (in chunks of 8), D none."""
     from openai import OpenAI
 

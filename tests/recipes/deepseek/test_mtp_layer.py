@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from common.engine.forward_batch import ForwardBatch
+from common.engine.model_runner import bind_new_caches, prefill_logits
 from common.loader import CheckpointError
 from config_deepseek_v4 import SLIDING, ModelArgs
-from modeling_deepseek_v4 import MTPBlock, prefill_logits
+from modeling_deepseek_v4 import MTPBlock
 from tiny_deepseek_v4 import TINY_CONFIG, random_state, write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
@@ -63,7 +64,7 @@ def test_mtp_forward_reads_the_streams_and_the_next_token(ckpts):
 
     def draft(prompts, shift_ids):
         batch, blocks = ForwardBatch.prefill(prompts, groups, 16, torch.device("cpu"))
-        model.allocate_caches(dict.fromkeys(groups, blocks), 16)
+        bind_new_caches(model, dict.fromkeys(groups, blocks), 16)
         streams = model.residual_streams(batch)  # [T, n, D]
         assert streams.shape == (batch.input_ids.shape[0], model.args.hc_mult, model.args.hidden_size)
         nxt = torch.tensor([t for p in shift_ids for t in p])

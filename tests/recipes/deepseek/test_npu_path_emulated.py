@@ -3,8 +3,8 @@ emulator (each call bound to the op's real schema, computed with the references)
 import torch
 
 from common import ops
+from common.engine.model_runner import prefill_logits
 from common.ops.emulator import TorchNpuEmulator
-from modeling_deepseek_v4 import prefill_logits
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 

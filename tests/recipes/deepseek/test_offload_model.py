@@ -11,10 +11,11 @@ from transformers import AutoTokenizer
 import generate
 from common import ops
 from common.engine import LLM, SamplingParams
+from common.engine.model_runner import prefill_logits
 from common.offload import MoEOffloadConfig, RoutingCounter, TorchHostExperts, kt_kernel_unavailable
 from common.parallel import LLMParallelLayout, Parallel
 from config_deepseek_v4 import ModelArgs
-from modeling_deepseek_v4 import DeepseekV4, prefill_logits
+from modeling_deepseek_v4 import DeepseekV4
 from tiny_deepseek_v4 import TINY_CONFIG, write_tiny_checkpoint
 from weights_deepseek_v4 import check_fits, load_model, model_bytes, shard_placement
 

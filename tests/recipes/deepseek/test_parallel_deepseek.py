@@ -4,9 +4,9 @@ whole-prompt prefill, and its logits equal the single-process model's on the sam
 import pytest
 import torch
 
+from common.engine.model_runner import prefill_logits
 from common.parallel import LLMParallelLayout, destroy_parallel, init_parallel
 from dist_helpers import run_ranks
-from modeling_deepseek_v4 import prefill_logits
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 

@@ -17,10 +17,12 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 
 from common import ops
 from common.engine import LLM, SamplingParams
+from common.engine.model_runner import bind_new_caches, prefill_logits
+from common.kv_cache import cache_bytes_per_block
 from common.loader import Checkpoint, save_checkpoint
 from common.ops.emulator import TorchNpuEmulator
 from config_deepseek_v3 import ModelArgs
-from modeling_deepseek_v3 import LATENT, prefill_logits, yarn_inv_freq
+from modeling_deepseek_v3 import LATENT, yarn_inv_freq
 from tiny_deepseek_v3 import tiny_config, write_tiny_checkpoint
 from weights_deepseek_v3 import load_model
 
@@ -153,7 +155,8 @@ def test_latent_cache_holds_one_row_per_token(checkpoints):
     for variant, per_token in (("v3", 32 + 16), ("v32", 32 + 16 + 32)):  # latent + rope key (+ indexer key)
         model = load_model(paths[variant][0], dtype=torch.float32)
         assert [s.name for s in model.cache_specs(16)] == [LATENT]
-        assert model.cache_bytes_per_block(16) == {LATENT: 16 * per_token * 4 * model.args.num_hidden_layers}
+        bytes_per_block = cache_bytes_per_block(model.cache_tensor_specs(), 16, model.engine_contract().dtype)
+        assert bytes_per_block == {LATENT: 16 * per_token * 4 * model.args.num_hidden_layers}
 
 
 def test_rope_and_softmax_scale_match_transformers():
@@ -293,7 +296,7 @@ def test_mtp_layer_equals_a_transformers_decoder_layer_on_its_inputs(checkpoints
         groups = [g.name for g in model.cache_specs(16)]
         main, num_blocks = ForwardBatch.prefill([ids[:-1]], groups, 16)
         draft, _ = ForwardBatch.prefill([ids[1:]], groups, 16)  # the same positions and blocks
-        model.allocate_caches(dict.fromkeys(groups, num_blocks), 16)
+        bind_new_caches(model, dict.fromkeys(groups, num_blocks), 16)
         streams = model.residual_streams(main)  # [n, 1, D]
         mtp = model.mtp[0]
         got = model.compute_logits(mtp.final_hidden(mtp(streams, model.embed_tokens(draft.input_ids), draft)))

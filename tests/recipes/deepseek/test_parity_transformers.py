@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import DeepseekV4ForCausalLM
 
+from common.engine.model_runner import prefill_logits
 from common.loader import Checkpoint, save_checkpoint
-from modeling_deepseek_v4 import prefill_logits
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 

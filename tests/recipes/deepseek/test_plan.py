@@ -1,6 +1,6 @@
 """plan.py (deployment planning on the meta device) against models actually built and loaded on the CPU: per-rank
-weight bytes equal rank 0's slice's state_dict, KV bytes per token equal cache_bytes_per_block / block_size, the
-A3 preset prints its table, and bad options give one line and exit code 2."""
+weight bytes equal rank 0's slice's state_dict, KV bytes per token equal a block of caches allocated on the CPU over
+block_size, the A3 preset prints its table, and bad options give one line and exit code 2."""
 import json
 import subprocess
 import sys
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import plan
+from common.engine.model_runner import bind_new_caches
 from common.parallel import LLMParallelLayout, Parallel
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import DeepseekV4
@@ -25,6 +26,13 @@ LAYOUTS = [
     LLMParallelLayout(world_size=2, attn_tp=2),  # TP2: heads and output groups split, EP2
     LLMParallelLayout(world_size=4, attn_tp=2, embed_tp=2, lmhead_tp=4),
 ]
+
+
+def allocated_bytes_per_block(model, block_size):
+    """Bytes one block of each cache group takes, summed over the model's cache tensors as the engine allocates them."""
+    groups = [g.name for g in model.cache_specs(block_size)]
+    caches = bind_new_caches(model, dict.fromkeys(groups, 1), block_size)
+    return {g: sum(t.nbytes for t in ts) for g, ts in caches.items()}
 
 
 def tiny_plan(layout, dtype=torch.float32):
@@ -82,7 +90,7 @@ def test_kv_bytes_per_token_equal_the_cpu_models_cache(layout):
     model = built_on_cpu(layout)
     for bs in (8, 16, 32):
         got = plan.plan(TINY_CONFIG, "tiny", "test", layout, torch.float32, {**ENGINE, "block_size": bs})[0]
-        expected = {g: n / bs for g, n in model.cache_bytes_per_block(bs).items()}
+        expected = {g: n / bs for g, n in allocated_bytes_per_block(model, bs).items()}
         assert got.kv_per_token == expected
         # attention DP does not split the cache, and under attention TP the one KV head is replicated
         one = plan.plan(TINY_CONFIG, "tiny", "test", LLMParallelLayout(), torch.float32, {**ENGINE, "block_size": bs})
@@ -306,7 +314,7 @@ def test_mla_plan_equals_the_tiny_model_built_on_cpu(layout):
             held = sum(t.nbytes for n, t in state.items() if plan.part_of(n, plan.MLA_PART_RULES) == part)
             assert p.weights[part][column] == held > 0, (column, part)
     model = DeepseekV3(args, Parallel(layout))
-    assert p.kv_per_token == {g: n / 16 for g, n in model.cache_bytes_per_block(16).items()}
+    assert p.kv_per_token == {g: n / 16 for g, n in allocated_bytes_per_block(model, 16).items()}
 
 
 def test_the_310p_preset_prints_its_plan():

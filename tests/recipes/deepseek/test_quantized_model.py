@@ -10,9 +10,10 @@ import torch
 from transformers import AutoTokenizer
 
 from common.engine import LLM, SamplingParams
+from common.engine.model_runner import prefill_logits
 from common.parallel import LLMParallelLayout, destroy_parallel, init_parallel
 from dist_helpers import run_ranks
-from modeling_deepseek_v4 import QuantLinear, prefill_logits
+from modeling_deepseek_v4 import QuantLinear
 from quant_accuracy import OpErrors, common_prefix
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from common.engine.model_runner import prefill_logits
 from common.loader import Checkpoint
 from common.loader.quant import dequant_mxfp4
 from common.offload import MoEOffloadConfig, kt_kernel_unavailable
 from config_deepseek_v4 import ModelArgs
-from modeling_deepseek_v4 import prefill_logits
 from sized_deepseek_v4 import checkpoint_sizes, main, sized_config, write_sized_checkpoint
 from tiny_deepseek_v4 import TINY_CONFIG, write_tiny_checkpoint
 from weights_deepseek_v4 import load_model, model_bytes

@@ -11,12 +11,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from common.engine import LLM, SamplingParams
+from common.engine.model_runner import prefill_logits
 from common.loader import Checkpoint
 from common.loader.quant import dequant_fp8_block, quantize_int8_per_channel
 from common.parallel import LLMParallelLayout
 from convert_checkpoint import convert, plan
 from fp16_ranges import FP16_MAX, measure, report
-from modeling_deepseek_v3 import QuantLinear, prefill_logits
+from modeling_deepseek_v3 import QuantLinear
 from tiny_deepseek_v3 import write_tiny_checkpoint
 from weights_deepseek_v3 import load_model
 

@@ -12,11 +12,11 @@ from transformers import AutoTokenizer
 
 from common import ops
 from common.engine import ForwardBatch
+from common.engine.model_runner import bind_new_caches, prefill_logits
 from common.engine.multimodal import expand_placeholders
 from common.loader import Checkpoint
 from config_deepseek_v4 import ModelArgs
 from image_processor_deepseek import IMAGE_TOKEN
-from modeling_deepseek_v4 import prefill_logits
 from tiny_deepseek_v4 import REVISION_FILE, TINY_REVISION, is_current, write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
@@ -90,7 +90,7 @@ def forward_with_images(model, ids, placed) -> torch.Tensor:
     groups = [g.name for g in model.cache_specs(16)]
     batch, num_blocks = ForwardBatch.prefill([ids], groups, 16)
     batch.mm_rows, batch.mm_embeds = rows, torch.cat(embeds)
-    model.allocate_caches(dict.fromkeys(groups, num_blocks), 16)
+    bind_new_caches(model, dict.fromkeys(groups, num_blocks), 16)
     with torch.no_grad():
         return model.compute_logits(model(batch))
 

@@ -23,7 +23,7 @@ from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, get
 from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 from vllm.v1.request import Request
 
-from common.kv_cache import KVCacheManager
+from common.kv_cache import KVCacheManager, cache_bytes_per_block
 
 from .cache import equal_page_specs
 from .recipe_model import RECIPE_DIR  # noqa: F401  (puts the recipe folder on sys.path)
@@ -51,7 +51,7 @@ def meta_model(model: str, dtype: torch.dtype) -> DeepseekV4:
 def engine_bytes(model: DeepseekV4, block_size: int, num_tokens: int) -> int:
     """Bytes the recipe's engine holds for one sequence of num_tokens at its next decode step."""
     specs = model.cache_specs(block_size)
-    per_block = model.cache_bytes_per_block(block_size)
+    per_block = cache_bytes_per_block(model.cache_tensor_specs(), block_size, model.engine_contract().dtype)
     manager = KVCacheManager(specs, {s.name: num_tokens // block_size + 3 for s in specs}, False)
     tokens = [0] * (num_tokens + 1)
     assert manager.allocate("r", tokens, 0, num_tokens) and manager.allocate("r", tokens, num_tokens, 1)

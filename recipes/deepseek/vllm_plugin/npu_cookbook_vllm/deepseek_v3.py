@@ -36,7 +36,7 @@ class NpuCookbookDeepseekV3ForCausalLM(RecipeForCausalLM):
                 for t in tensors}
 
     def table_of(self, tensor: CacheTensorSpec) -> str:
-        return tensor.group  # the latent group: one table
+        return tensor.group  # the latent group: one table (the only one DeepseekV3.bind_caches accepts)
 
     def load_into(self) -> None:
         load_into(self.model, Checkpoint(self.path))

@@ -1,6 +1,6 @@
 """The recipe's DeepSeek-V4 (recipes/deepseek/modeling_deepseek_v4.py, on common.ops) as a vLLM model.
 
-Its cache tensors, as vLLM cache layers with specs for what they are (`cache.equal_page_specs`):
+Its cache tensors, as vLLM cache layers with specs for what they are (`cache.equal_page_specs`, the adapter's default):
 - each layer's sliding-window KV and each compressor's per-token state: a SlidingWindowSpec with the window its
   readers look back over (the KV: sliding_window; a compressor's state: the tokens one entry pools), so vLLM frees
   their blocks behind it;
@@ -13,12 +13,9 @@ and gives each group its own block table; the model reads each tensor through it
 """
 from __future__ import annotations
 
-import torch
-
 from common.kv_cache import CacheTensorSpec
 from common.loader import Checkpoint
 
-from .cache import equal_page_specs
 from .recipe_model import RecipeForCausalLM  # puts the recipe folder on sys.path
 
 from config_deepseek_v4 import ModelArgs  # noqa: E402,I001
@@ -35,14 +32,8 @@ class NpuCookbookDeepseekV4ForCausalLM(RecipeForCausalLM):
     def build_model(self, config: dict) -> DeepseekV4:
         return DeepseekV4(ModelArgs.from_config(config))
 
-    def cache_specs(self, tensors, block_size: int, dtype: torch.dtype):
-        return equal_page_specs(tensors, block_size, dtype)
-
     def table_of(self, tensor: CacheTensorSpec) -> str:
         return tensor.name  # every tensor through its own vLLM group's table (tensors of one recipe group differ)
 
-    def bind_model_caches(self, caches: dict[str, torch.Tensor]) -> None:
-        self.model.bind_caches(caches, tables={name: name for name in caches})
-
     def load_into(self) -> None:
-        load_into(self.model, Checkpoint(self.path), self.model.embed.weight.dtype)
+        load_into(self.model, Checkpoint(self.path), self.contract.dtype)

@@ -1,8 +1,10 @@
-"""vLLM's model interface over a recipe model (one process): the constructor vLLM calls, a `CacheSlot` per cache
-tensor the model declares (`cache_tensor_specs()`), the model's caches bound to vLLM's tensors
-(`bind_caches`), and each step's flattened batch and attention metadata as the recipe's ForwardBatch.
+"""vLLM's model interface over a recipe model (one process), through the model contract alone
+(common/engine/model_contract.py): the constructor vLLM calls, a `CacheSlot` per cache tensor the model declares
+(`cache_tensor_specs()`), the model's caches bound to vLLM's tensors (`bind_caches`, each tensor read through the
+table of its vLLM group), and each step's flattened batch and attention metadata as the recipe's ForwardBatch.
 
-A family subclass says how to build and load its model and which vLLM spec each of its cache tensors gets.
+A family subclass says how to build and load its model and, where the defaults do not fit, which vLLM spec each
+of its cache tensors gets and which table the model reads it through.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from .cache import CacheSlot
+from .cache import CacheSlot, equal_page_specs
 
 RECIPE_DIR = Path(common.__file__).resolve().parents[1] / "recipes" / "deepseek"
 if str(RECIPE_DIR) not in sys.path:  # recipe folders are not packages: their modules import each other by name
@@ -30,8 +32,8 @@ if str(RECIPE_DIR) not in sys.path:  # recipe folders are not packages: their mo
 
 
 class RecipeForCausalLM(nn.Module):
-    """Subclasses set `family` (a name for messages) and implement build_model, cache_specs, table_of and
-    load_into; bind_model_caches where the model reads its tensors through other tables than their groups'."""
+    """Subclasses set `family` (a name for messages) and implement build_model and load_into; cache_specs and
+    table_of where the defaults (equal pages; each tensor through its recipe group's table) do not fit."""
 
     family = "recipe"
 
@@ -45,6 +47,7 @@ class RecipeForCausalLM(nn.Module):
             raise ValueError(f"the npu-cookbook {self.family} plugin reads a local checkpoint folder; "
                              f"{self.path} has no config.json")
         self.model = self.build_model(json.loads((self.path / "config.json").read_text()))
+        self.contract = self.model.engine_contract()
         self.block_size, self.dtype = vllm_config.cache_config.block_size, model_config.dtype
         tensors = self.model.cache_tensor_specs()
         specs = self.cache_specs(tensors, self.block_size, self.dtype)
@@ -56,23 +59,23 @@ class RecipeForCausalLM(nn.Module):
         raise NotImplementedError
 
     def cache_specs(self, tensors: list[CacheTensorSpec], block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
-        raise NotImplementedError
+        """A vLLM spec per cache tensor, by name (default: cache.equal_page_specs)."""
+        return equal_page_specs(tensors, block_size, dtype)
 
     def table_of(self, tensor: CacheTensorSpec) -> str:
-        """The ForwardBatch block table (and slot mapping) key the model reads this tensor through."""
-        raise NotImplementedError
+        """The ForwardBatch block table (and slot mapping) key the model reads this tensor through (bind_caches'
+        `tables`); default: its recipe group's, which vLLM must then give one cache group."""
+        return tensor.group
 
     def load_into(self) -> None:
         raise NotImplementedError
-
-    def bind_model_caches(self, caches: dict[str, torch.Tensor]) -> None:
-        self.model.bind_caches(caches)
 
     # -- vLLM's model interface
     def _bind(self) -> None:
         """Once vLLM has bound every slot: the model's caches are vLLM's tensors."""
         if all(s.cache is not None for s in self.slots):
-            self.bind_model_caches({s.tensor.name: s.cache for s in self.slots})
+            self.model.bind_caches({s.tensor.name: s.cache for s in self.slots},
+                                   tables={s.tensor.name: self.table_of(s.tensor) for s in self.slots})
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)  # [T, D]
@@ -85,8 +88,7 @@ class RecipeForCausalLM(nn.Module):
         metadata = get_forward_context().attn_metadata
         T = input_ids.shape[0]
         if not metadata:  # a dummy step (no request, no cache): nothing to attend to
-            return torch.zeros(T, self.model.args.hidden_size, dtype=self.model.embed.weight.dtype,
-                               device=input_ids.device)
+            return torch.zeros(T, self.contract.hidden_size, dtype=self.contract.dtype, device=input_ids.device)
         hidden = self.model(self.forward_batch(input_ids, positions, metadata))  # [n, D]
         if hidden.shape[0] < T:  # vLLM padded the step: padding rows are never sampled
             hidden = torch.cat([hidden, hidden.new_zeros(T - hidden.shape[0], hidden.shape[1])])
