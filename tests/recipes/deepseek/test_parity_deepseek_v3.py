@@ -100,7 +100,7 @@ def test_sparse_selection_binds(checkpoints):
         layer.self_attn.indexer.topk = len(ids)
     dense = prefill_logits(model, [ids])
     topk = model.args.index_topk
-    torch.testing.assert_close(sparse[:topk], dense[:topk], atol=1e-5, rtol=0)  # at most topk keys: all kept
+    torch.testing.assert_close(sparse[:topk], dense[:topk], atol=1e-4, rtol=0)  # at most topk keys: all kept
     assert (sparse[topk:] - dense[topk:]).abs().max() > 1e-2
 
 

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
+from common import ops
 from common.engine import LLM, SamplingParams
 from common.engine.model_runner import prefill_logits
 from common.loader import Checkpoint
@@ -17,7 +19,7 @@ from common.loader.quant import dequant_fp8_block, quantize_int8_per_channel
 from common.parallel import LLMParallelLayout
 from convert_checkpoint import convert, plan
 from fp16_ranges import FP16_MAX, measure, report
-from modeling_deepseek_v3 import QuantLinear
+from modeling_deepseek_v3 import MoE, QuantLinear
 from tiny_deepseek_v3 import write_tiny_checkpoint
 from weights_deepseek_v3 import load_model
 
@@ -41,6 +43,37 @@ def logprobs(path, dtype):
     return model, torch.log_softmax(prefill_logits(model, PROMPTS), -1)  # [T, V]
 
 
+def record_routes(model) -> list[torch.Tensor]:
+    """From now on, each MoE layer's routed experts of every forward, in call order: [T, k] sorted per token,
+    recomputed from the layer's input by the model's own gating op (every attention-TP rank sees the whole x)."""
+    routes = []
+
+    def hook(moe, inputs):
+        a = moe.args
+        logits = F.linear(inputs[0].float(), moe.gate.weight.float())  # [T, E]
+        _, idx = ops.moe_gating_topk(logits, a.num_experts_per_tok, bias=moe.gate.e_score_correction_bias,
+                                     score_func="sigmoid", group_count=a.n_group, k_group=a.topk_group,
+                                     renorm=a.norm_topk_prob, routed_scaling_factor=a.routed_scaling_factor)
+        routes.append(idx.sort(-1).values)  # [T, k]
+
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.register_forward_pre_hook(hook)
+    return routes
+
+
+def same_route_rows(routes_a: list[torch.Tensor], routes_b: list[torch.Tensor]) -> torch.Tensor:
+    """[T] bool over PROMPTS' packed rows: True where no MoE layer routed this row or an earlier row of its prompt
+    differently in the two runs. A near-tie in a router's top-k (this tiny random model has a few) flips with any
+    rounding difference, moves that row's logits by ~10 and the later rows of its prompt by ~0.5 (their attention
+    reads its KV): a discrete choice, not the arithmetic the bounds below are about."""
+    differs = torch.stack([(a != b).any(-1) for a, b in zip(routes_a, routes_b)]).any(0)  # [T]
+    keep = []
+    for prompt in torch.split(differs, [len(p) for p in PROMPTS]):
+        keep.append(prompt.cumsum(0) == 0)
+    return torch.cat(keep)
+
+
 def greedy(model, path):
     outs = LLM(model, AutoTokenizer.from_pretrained(path), block_size=16).generate(PROMPTS, GREEDY, use_tqdm=False)
     return [o.token_ids for o in outs]
@@ -51,21 +84,29 @@ def test_fp16_keeps_the_residual_in_fp32_and_stays_close(checkpoints):
     0.044 (seed 5; 0.036-0.084 on seeds 6-8) with logits up to ~15: each layer's output is off by ~0.1-0.3 %
     relative (fp16's unit roundoff 2^-11 = 4.9e-4 per rounding), the head multiplies that by |logit|. The bound
     holds while no router top-k sits on a near-tie: on 2 of 6 seeds tried (3, 4) fp16 flips one token's expert
-    choice and that position's logits move by ~10; this checkpoint (seed 5) has no such tie on these prompts."""
+    choice and that position's logits move by ~10. Which rows tie depends on the CPU's fp16 GEMMs (with AVX512-FP16,
+seed 5 ties at one row of the first prompt): the bound is checked on the rows routed alike and the prompts before
+any flip, and a flip must stay rare (at most one prompt)."""
     path = checkpoints["float"]
     ref = load_model(path, torch.float32)
+    want_routes = record_routes(ref)
     want = prefill_logits(ref, PROMPTS)
     model = load_model(path, torch.float16)
+    got_routes = record_routes(model)
     got = prefill_logits(model, PROMPTS)
+    alike = same_route_rows(want_routes, got_routes)  # [T]
     seen = []
     hook = model.model.layers[1].register_forward_hook(lambda m, a, y: seen.append((a[0].dtype, y.dtype)))
     prefill_logits(model, PROMPTS[:1])
     hook.remove()
+    flipped = [i for i, rows in enumerate(torch.split(alike, [len(p) for p in PROMPTS])) if not rows.all()]
+    assert len(flipped) <= 1, f"MoE routing flipped in prompts {flipped}"
     assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float16
     assert seen == [(torch.float32, torch.float32)]  # the residual stream
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32  # the router
-    assert (got - want).abs().max().item() < 0.2
-    assert greedy(model, path) == greedy(ref, path)
+    assert (got - want)[alike].abs().max().item() < 0.2
+    keep = [i for i in range(len(PROMPTS)) if i not in flipped]
+    assert [greedy(model, path)[i] for i in keep] == [greedy(ref, path)[i] for i in keep]
 
 
 def test_fp16_ranges_reports_each_layer_against_the_fp16_max(checkpoints):
@@ -192,8 +233,11 @@ def rank_main(paths, out_dir):
     try:
         for kind, path in paths.items():
             model = load_model(path, torch.float16, parallel=parallel)
+            routes = record_routes(model)
             logits = prefill_logits(model, PROMPTS)
-            torch.save((logits, greedy(model, path), model.checkpoint_reads), out_dir / f"{kind}-{parallel.rank}.pt")
+            routes = routes[:]  # the prefill's (greedy below routes more)
+            torch.save((logits, greedy(model, path), model.checkpoint_reads, routes),
+                       out_dir / f"{kind}-{parallel.rank}.pt")
     finally:
         destroy_parallel()
 
@@ -213,15 +257,20 @@ def test_tp2_ep2_fp16_ranks_equal_one_process(checkpoints, tmp_path):
     run_ranks(rank_main, 2, paths, tmp_path)
     for kind, path in paths.items():
         one = load_model(path, torch.float16)
+        one_routes = record_routes(one)
         want = prefill_logits(one, PROMPTS)
+        one_routes = one_routes[:]  # the prefill's (greedy below routes more)
         tokens = greedy(one, path)
         for rank in range(2):
-            logits, got, reads = torch.load(tmp_path / f"{kind}-{rank}.pt")
+            logits, got, reads, routes = torch.load(tmp_path / f"{kind}-{rank}.pt")
+            alike = same_route_rows(one_routes, routes)  # [T]
+            keep = [i for i, rows in enumerate(torch.split(alike, [len(p) for p in PROMPTS])) if rows.all()]
             experts = {int(n.split(".")[5]) for n in reads if ".mlp.experts." in n}
             assert experts == set(range(rank * 8, rank * 8 + 8))  # 16 experts over EP2: its half only
             if kind == "float":
-                assert got == tokens
-                assert (logits - want).abs().max().item() < 0.1
+                assert len(keep) >= len(PROMPTS) - 1  # a routing flip (a near-tie, see same_route_rows) stays rare
+                assert [got[i] for i in keep] == [tokens[i] for i in keep]
+                assert (logits - want)[alike].abs().max().item() < 0.1
             else:
                 kl, top1 = kl_top1(logits.float().log_softmax(-1), want.float().log_softmax(-1))
                 assert kl < 0.5 and top1 >= 0.6
