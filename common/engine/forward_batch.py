@@ -11,6 +11,10 @@ bucket), no shape that depends on the requests. Padding sequences have as many t
 so their every slot is a row of the null block 0: they write nowhere a real sequence reads, and real rows never
 see them.
 
+State groups (CacheGroupSpec kind "state", named in `state_groups`): the group's block table is [B, 2] int32,
+each sequence's (read slot, write slot) of its per-request state, and it has no slot mapping. Read slot 0 (the null
+slot) means a zero initial state: a sequence's first step, and every padding sequence, which writes slot 0.
+
 Multimodal rows (ModelContract.encoder): `mm_embeds` [M, D] are written over the token embeddings of rows `mm_rows`
 [M] before the first layer; a text-only batch has neither.
 """
@@ -29,8 +33,9 @@ class ForwardBatch:
     cu_seqlens_q: torch.Tensor  # [B+1] int32, bounds of each sequence's new tokens
     seq_lens: torch.Tensor  # [B] int32, kv length of each sequence after this step
     block_size: int
-    block_tables: dict[str, torch.Tensor]  # group -> [B, max_blocks] int32, null block 0 where absent
-    slot_mapping: dict[str, torch.Tensor]  # group -> [T] int64, cache row of each new token
+    block_tables: dict[str, torch.Tensor]  # group -> [B, max_blocks] int32, null block 0 where absent (a state
+    #   group: [B, 2], the read and write slots)
+    slot_mapping: dict[str, torch.Tensor]  # paged group -> [T] int64, cache row of each new token
     max_seqlen_q: int = 0  # host: the longest sequence's new tokens (1: a decode batch)
     max_seqlen_k: int = 0  # host: the longest kv length (a padded decode batch: the bound it was built for)
     uniform_across_ranks: bool = False  # host: every rank forwards this batch's shape this step (graph mode pads
@@ -45,8 +50,9 @@ class ForwardBatch:
     @classmethod
     def build(cls, new_tokens: list[list[int]], num_computed: list[int], block_tables: list[dict[str, list[int]]],
               block_size: int, device=None, pad_to: int | None = None, table_width: int | None = None,
-              max_seqlen_k: int | None = None) -> "ForwardBatch":
+              max_seqlen_k: int | None = None, state_groups: tuple[str, ...] = ()) -> "ForwardBatch":
         """new_tokens[b]: the tokens computed this step for sequence b, which already has num_computed[b] in cache.
+        state_groups: the groups whose block_tables[b] entry is [read slot, write slot] (see the module docstring).
         pad_to: append padding sequences up to this many, a graph-mode bucket that every rank of the step pads to
         (so the batch is uniform_across_ranks); table_width: block-table columns (default: the widest table);
         max_seqlen_k: the kv-length bound ops pad to (default: the longest kv length)."""
@@ -67,6 +73,10 @@ class ForwardBatch:
         cu[1:] = torch.tensor(q_lens).cumsum(0)
         tables, slots = {}, {}
         for group in block_tables[0] if block_tables else ():
+            if group in state_groups:  # padding sequences read and write the null slot
+                tables[group] = torch.tensor([t[group] or [0, 0] for t in block_tables], dtype=torch.int32,
+                                             device=device).view(-1, 2)  # [B, 2]
+                continue
             rows = [t[group] for t in block_tables]
             table = torch.zeros(len(rows), table_width or max(map(len, rows), default=0) or 1, dtype=torch.int32)
             for b, row in enumerate(rows):
@@ -90,9 +100,10 @@ class ForwardBatch:
         pairs = [(getattr(self, f), getattr(other, f)) for f in ("input_ids", "positions", "seq_ids",
                                                                  "cu_seqlens_q", "seq_lens")]
         same = all(getattr(self, f) == getattr(other, f) for f in host)
-        if same and self.block_tables.keys() == other.block_tables.keys():
-            for g in self.block_tables:
-                pairs += [(self.block_tables[g], other.block_tables[g]), (self.slot_mapping[g], other.slot_mapping[g])]
+        if same and self.block_tables.keys() == other.block_tables.keys() \
+                and self.slot_mapping.keys() == other.slot_mapping.keys():
+            pairs += [(self.block_tables[g], other.block_tables[g]) for g in self.block_tables]
+            pairs += [(self.slot_mapping[g], other.slot_mapping[g]) for g in self.slot_mapping]
         else:
             same = False
         if not same or any(mine.shape != theirs.shape for mine, theirs in pairs):
@@ -102,23 +113,29 @@ class ForwardBatch:
         return self
 
     @classmethod
-    def empty(cls, groups: list[str], block_size: int, device=None) -> "ForwardBatch":
+    def empty(cls, groups: list[str], block_size: int, device=None, state_groups: tuple[str, ...] = ()
+              ) -> "ForwardBatch":
         """No tokens: what a data-parallel rank with nothing to run forwards, so that the collectives of the
         other ranks' step (expert dispatch, vocabulary-parallel gathers) meet it."""
         none = torch.zeros(0, dtype=torch.long, device=device)
         return cls(input_ids=none, positions=none, seq_ids=none,
                    cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=device),
                    seq_lens=torch.zeros(0, dtype=torch.int32, device=device), block_size=block_size,
-                   block_tables={g: torch.zeros(0, 1, dtype=torch.int32, device=device) for g in groups},
-                   slot_mapping={g: none for g in groups})
+                   block_tables={g: torch.zeros(0, 2 if g in state_groups else 1, dtype=torch.int32, device=device)
+                                 for g in groups},
+                   slot_mapping={g: none for g in groups if g not in state_groups})
 
     @classmethod
-    def prefill(cls, prompts: list[list[int]], groups: list[str], block_size: int, device=None):
-        """Whole prompts in one step over contiguous fresh blocks (block 0 stays null).
-        Returns (batch, blocks needed per group) for tests and one-shot forwards."""
+    def prefill(cls, prompts: list[list[int]], groups: list[str], block_size: int, device=None,
+                state_groups: tuple[str, ...] = ()):
+        """Whole prompts in one step over contiguous fresh blocks (block 0 stays null); a state group's prompt b
+        starts from a zero state and writes slot b + 1. Returns (batch, blocks needed per group) for tests and
+        one-shot forwards."""
         tables, next_block = [], 1
-        for p in prompts:
+        for b, p in enumerate(prompts):
             n = -(-len(p) // block_size)
-            tables.append({g: list(range(next_block, next_block + n)) for g in groups})
+            tables.append({g: [0, b + 1] if g in state_groups else list(range(next_block, next_block + n))
+                           for g in groups})
             next_block += n
-        return cls.build(prompts, [0] * len(prompts), tables, block_size, device), next_block
+        return cls.build(prompts, [0] * len(prompts), tables, block_size, device, state_groups=state_groups), \
+            max(next_block, len(prompts) + 1)

@@ -106,7 +106,8 @@ class LLMEngine:
         specs = model.cache_specs(config.block_size)
         num_blocks = ({s.name: config.num_blocks for s in specs} if config.num_blocks
                       else blocks_that_fit(model, config))
-        full = [num_blocks[s.name] for s in specs if s.sliding_window is None] or list(num_blocks.values())
+        full = [num_blocks[s.name] for s in specs if s.sliding_window is None and not s.is_state] \
+            or list(num_blocks.values())
         capacity = (min(full) - 1) * config.block_size  # tokens of one request in the full groups
         if capacity < config.max_model_len:  # one request must always fit in the whole cache
             logger.warning("the KV cache holds %d tokens: max_model_len lowered from %d", capacity,
@@ -116,6 +117,12 @@ class LLMEngine:
         self.parallel = contract.parallel or par.Parallel(par.LLMParallelLayout())
         self.dp_group, tp_group = self.parallel.group("attn_dp"), self.parallel.group("attn_tp")
         self.proposer = None  # MTP drafts (speculative decoding)
+        if state := [s.name for s in specs if s.is_state]:
+            if kv_connector is not None:
+                raise ValueError(f"PD disaggregation does not move state cache groups {state} yet")
+            if config.num_speculative_tokens:
+                raise ValueError(f"speculative decoding does not keep per-draft states of state cache groups "
+                                 f"{state} yet")
         if config.num_speculative_tokens:
             if contract.mtp is None:
                 raise ValueError("speculative decoding needs the model's MTP layer (load_model(..., mtp=True) with a "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from common import backend, cpu_gemm
-from common.kv_cache import allocate_cache_tensors, cache_bytes_per_block, tensors_by_group
+from common.kv_cache import allocate_cache_tensors, cache_bytes_per_block, check_cache_specs, tensors_by_group
 
 from .config import EngineConfig
 from .encoder_cache import EncoderCache, gather_embeddings
@@ -32,7 +32,9 @@ def blocks_that_fit(model, config: EngineConfig) -> dict[str, int]:
     blocks its window and its next chunk cover, so it gets what max_num_seqs requests can hold at once (a bound
     that does not grow with max_model_len); the full groups share the rest of the budget, capped at what
     max_num_seqs full-length requests could use. (Equal counts for every group left most of a windowed model's
-    cache unusable: DeepSeek-V4-Flash keeps 97% of its bytes per token in the window group.)"""
+    cache unusable: DeepSeek-V4-Flash keeps 97% of its bytes per token in the window group.) A state group gets
+    a slot per running request (max_num_seqs), and with prefix caching twice as many more: a request writes a
+    fresh slot in the step after a checkpoint, and saved checkpoints outlive their requests until evicted."""
     bs = config.block_size
     specs = model.cache_specs(bs)
     sizes = cache_bytes_per_block(model.cache_tensor_specs(), bs, model.engine_contract().dtype)
@@ -43,7 +45,9 @@ def blocks_that_fit(model, config: EngineConfig) -> dict[str, int]:
     ahead = 2 * config.num_speculative_tokens  # drafts verified + the next drafts' lookahead, past the window
     windowed = {s.name: config.max_num_seqs * min(full_len, -(-(s.sliding_window - 1 + ahead) // bs) + 1)
                 + -(-config.max_num_batched_tokens // bs) + 1 for s in specs if s.sliding_window is not None}
-    full = [s.name for s in specs if s.sliding_window is None]
+    windowed |= {s.name: config.max_num_seqs * (3 if config.enable_prefix_caching else 1) + 1
+                 for s in specs if s.is_state}
+    full = [s.name for s in specs if s.sliding_window is None and not s.is_state]
     cap = config.max_num_seqs * full_len + 1
     left = config.kv_cache_memory_bytes - sum(n * per_block[g] for g, n in windowed.items())
     n_full = min(left // max(sum(per_block[g] for g in full), 1), cap) if full else 0
@@ -78,8 +82,10 @@ def prefill_logits(model: CausalLM, prompts: list[list[int]], block_size: int = 
     """Logits of every prompt position [T, V]: the whole prompts in one step over fresh contiguous caches (tests and
     benches; an engine on the same model refuses to run afterwards, its caches no longer bound)."""
     contract = model.engine_contract()
-    groups = [g.name for g in model.cache_specs(block_size)]
-    batch, num_blocks = ForwardBatch.prefill(prompts, groups, block_size, contract.device)
+    specs = model.cache_specs(block_size)
+    batch, num_blocks = ForwardBatch.prefill(prompts, [g.name for g in specs], block_size, contract.device,
+                                             state_groups=tuple(g.name for g in specs if g.is_state))
+    groups = [g.name for g in specs]
     bind_new_caches(model, dict.fromkeys(groups, num_blocks), block_size, contract=contract)
     return model.compute_logits(model(batch))
 
@@ -100,11 +106,16 @@ class ModelRunner:
             backend.keep_freed_host_memory()
             cpu_gemm.pack_model(model)  # bf16 weights into oneDNN's layout, once, dense copies dropped (fp32: no-op)
         self.specs = model.cache_specs(config.block_size)
+        check_cache_specs(self.specs, model.cache_tensor_specs())
+        self.state_groups = tuple(s.name for s in self.specs if s.is_state)  # their tables: (read, write) slots
         self.num_blocks = dict(num_blocks)
         # the cache tensors, by group in spec order: this runner owns them (PD's KV transfer registers them)
         self.cache_tensors = bind_new_caches(model, self.num_blocks, config.block_size, self, contract)
         self.graphs = None  # exe_mode graph: the decode steps' compiled buckets
         if config.exe_mode == "graph":
+            if self.state_groups:
+                raise ValueError(f"graph mode does not run models with state cache groups {self.state_groups} yet: "
+                                 "use exe_mode eager")
             self.graphs = GraphRunner(model, contract, config, [s.name for s in self.specs], self.device,
                                       keep_streams)
             self.graphs.capture()
@@ -125,7 +136,8 @@ class ModelRunner:
         if self.graphs is not None and (bucket := self.graphs.step_bucket(0, True)) is not None:
             self.graphs.run(self.graphs.padding(bucket))
             return
-        hidden = self.model(ForwardBatch.empty([s.name for s in self.specs], self.config.block_size, self.device))
+        hidden = self.model(ForwardBatch.empty([s.name for s in self.specs], self.config.block_size, self.device,
+                                               self.state_groups))
         self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -163,7 +175,7 @@ class ModelRunner:
             if (bucket := self.graphs.step_bucket(len(scheduled), fits)) is not None:
                 return self._execute_graph(scheduled, new_tokens, block_tables, bucket)
         batch = ForwardBatch.build(new_tokens, [s.start for s in scheduled], block_tables, self.config.block_size,
-                                   self.device)
+                                   self.device, state_groups=self.state_groups)
         batch.mm_rows, batch.mm_embeds = mm_rows, mm_embeds
         streams = None
         if self.keep_streams:  # the model's two halves, the residual streams kept for the MTP drafts

@@ -15,6 +15,10 @@ image beyond either stops before it (the rest comes in a later step). A chunk ma
 stays held until the request's computed tokens passed it, then it is released (and with every finish, abort and
 preemption).
 
+State cache groups (a linear attention's per-request state, common/kv_cache/kv_cache_manager.py) are allocated,
+freed and preempted with the request's blocks, by the same calls: a request that gets no state slot waits (or
+preempts) as one that gets no block; with prefix caching, prefill chunks end on block boundaries (`_chunk`).
+
 PD disaggregation: on a decode instance a waiting request with do_remote_prefill is admitted by allocating its
 prompt's blocks (FIFO, as any admission: one D cannot hold waits, it is not dropped) and then waits, outside the
 batch, in `receiving` until the KV connector reports its KV written (`remote_prefill_done`) or failed (`finish`).
@@ -111,7 +115,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
             num_new = self._encodable(req, req.num_computed_tokens, num_new, encoder_budget)
             if num_new == 0:  # its chunk starts at an image the encoder cannot take this step
                 i += 1
@@ -143,7 +147,8 @@ class Scheduler:
             reads_cache = req.sampling_params.prompt_logprobs is None
             cached = (self.kv_cache.get_computed_tokens(req.request_id, req.all_token_ids, req.mm_inputs)
                       if reads_cache else 0)
-            num_new = self._encodable(req, cached, min(req.num_tokens - cached, budget), encoder_budget)
+            num_new = self._encodable(req, cached, self._chunk(req, cached, min(req.num_tokens - cached, budget)),
+                                      encoder_budget)
             if num_new == 0 or (num_new < req.num_tokens - cached and not self.config.enable_chunked_prefill):
                 break
             if not self.kv_cache.allocate(req.request_id, req.all_token_ids, cached, self._slots(req, cached, num_new),
@@ -158,6 +163,13 @@ class Scheduler:
             budget -= num_new
             encoder_budget -= self._hold_images(req, cached, num_new, out)
         return out
+
+    def _chunk(self, req: Request, start: int, num_new: int) -> int:
+        """A prefill chunk of num_new tokens from start, cut to end on a block boundary where a state group keeps
+        its prefix-cache checkpoints there (KVCacheManager.align_chunk; with chunked prefill only)."""
+        if not self.config.enable_chunked_prefill:
+            return num_new
+        return self.kv_cache.align_chunk(start, num_new, req.num_tokens)
 
     def _encodable(self, req: Request, start: int, num_new: int, encoder_budget: int) -> int:
         """num_new, or fewer: the chunk [start, start + num_new) stops before the first image it reaches that is not

@@ -1,6 +1,19 @@
-"""Which blocks each request holds in each cache group; prefix-cache hits; freeing what a sliding window left behind.
+"""Which blocks each request holds in each cache group; prefix-cache hits; freeing what a sliding window left behind;
+the state slots of state groups.
 
 One manager per engine. Pure bookkeeping: the model owns the cache tensors and reads them through `block_table`.
+
+State groups (CacheGroupSpec kind "state": a linear attention's per-request state, vLLM's MambaSpec) come from a
+pool of slots, one BlockPool like a paged group's. A request holds one slot: the state after its computed tokens
+(none before its first step: it starts from a zero state, read slot 0). A step reads that slot and writes, in
+place, the same one, unless the slot is a prefix-cache checkpoint (shared, or kept for later requests): then the
+step writes a fresh slot and the checkpoint is released once the step ran (`cache_blocks`). With prefix caching
+the state after a step that ends on a block boundary is registered under that block's hash, a checkpoint (vLLM's
+"align" mode); a new request hits a prefix only where every paged group holds its blocks and every state group a
+checkpoint at its end, and its first step reads that checkpoint. `align_chunk` cuts prefill chunks so that they
+end on block boundaries and the prompt's last whole block gets a checkpoint. A slot is freed like a block (finish,
+abort, preemption, a failed step); a freed checkpoint stays findable until its slot is reused (LRU), so saved
+states are evicted like blocks.
 """
 from __future__ import annotations
 
@@ -20,11 +33,20 @@ class KVCacheStats:
 
 
 @dataclass(slots=True)
+class _State:
+    """A request's slots in one state group."""
+    slot: int = NULL_BLOCK  # holds the state after the request's computed tokens (NULL: none yet, a zero state)
+    write: int = NULL_BLOCK  # where the scheduled step writes (== slot: in place); NULL: no step scheduled
+    end: int = 0  # the scheduled step's end (tokens computed once it ran)
+
+
+@dataclass(slots=True)
 class _Request:
-    tables: dict[str, list[int]]
+    tables: dict[str, list[int]]  # paged groups
     hashes: list[int] = field(default_factory=list)  # of the request's computed full blocks
     num_cached_blocks: int = 0  # leading blocks whose hashes are registered in the pools
     mm_spans: Sequence[MultiModalSpan] = ()  # the prompt's multimodal items (their content is part of the hashes)
+    states: dict[str, _State] = field(default_factory=dict)  # state groups
 
 
 class KVCacheManager:
@@ -35,7 +57,8 @@ class KVCacheManager:
         self.block_size = specs[0].block_size
         assert all(s.block_size == self.block_size for s in specs), \
             f"every cache group must share one block_size in tokens (block hashes are shared): {specs}"
-        self.specs = {s.name: s for s in specs}
+        self.specs = {s.name: s for s in specs if not s.is_state}  # the paged groups
+        self.state_specs = {s.name: s for s in specs if s.is_state}
         self.num_blocks = dict(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.pools = {name: BlockPool(n, enable_prefix_caching) for name, n in num_blocks.items()}
@@ -60,8 +83,24 @@ class KVCacheManager:
         return all(p.num_free_blocks == p.num_blocks - 1 for p in self.pools.values())
 
     def block_table(self, request_id: str) -> dict[str, list[int]]:
-        """Group name -> block ids by block index (null block 0 where a window left them); the lists are live."""
-        return dict(self._requests[request_id].tables)
+        """Group name -> block ids by block index (null block 0 where a window left them; the lists are live); a
+        state group -> [read slot, write slot] of the scheduled step."""
+        req = self._requests[request_id]
+        return {**req.tables, **{g: [st.slot, st.write] for g, st in req.states.items()}}
+
+    def align_chunk(self, start: int, num_new: int, num_tokens: int) -> int:
+        """num_new, or fewer, for a chunk [start, start + num_new) of a request with num_tokens tokens: with state
+        groups and prefix caching the chunk ends on a block boundary where it can (a chunk within one block is
+        left as it is), and a chunk that passes the last boundary before num_tokens stops there, so that the
+        state there becomes a checkpoint (vLLM's `_mamba_block_aligned_split`)."""
+        if not self.state_specs or not self.enable_prefix_caching:
+            return num_new
+        end, last = start + num_new, num_tokens - num_tokens % self.block_size
+        if end < last and end // self.block_size * self.block_size > start:
+            return end // self.block_size * self.block_size - start
+        if start < last < end:
+            return last - start
+        return num_new
 
     def get_computed_tokens(self, request_id: str, token_ids: list[int], mm_spans: Sequence[MultiModalSpan] = ()
                             ) -> int:
@@ -74,8 +113,10 @@ class KVCacheManager:
         hashes = hash_blocks(token_ids, self.block_size, num_tokens=len(token_ids) - 1, mm_spans=mm_spans)
         cached = {g: [p.lookup(h) is not None for h in hashes] for g, p in self.pools.items()}
         n = len(hashes)
-        while (m := min(self._longest_hit(spec, cached[g], n) for g, spec in self.specs.items())) < n:
-            n = m  # a window group's hit at n does not imply one at m < n: check every group again
+        while (m := min([self._longest_hit(spec, cached[g], n) for g, spec in self.specs.items()]
+                        + [next(k for k in range(n, -1, -1) if k == 0 or cached[g][k - 1])
+                           for g in self.state_specs])) < n:
+            n = m  # a window group's (or a state group's) hit at n does not imply one at m < n: check all again
         return n * self.block_size
 
     def _longest_hit(self, spec: CacheGroupSpec, cached: list[bool], n: int) -> int:
@@ -112,14 +153,25 @@ class KVCacheManager:
             if num_alloc > pool.num_free_blocks - revived + released:
                 return False
             plan[g] = stale, num_alloc
+        for g, st in req.states.items():  # a fresh slot unless the request's own is private (written in place)
+            pool = self.pools[g]
+            fresh = st.slot == NULL_BLOCK or pool.blocks[st.slot].ref_cnt > (0 if new else 1) \
+                or pool.blocks[st.slot].block_hash is not None
+            revived = new and st.slot != NULL_BLOCK and pool.blocks[st.slot].ref_cnt == 0
+            if fresh > pool.num_free_blocks - revived:
+                return False
+            plan[g] = fresh
         if new:
             for g, pool in self.pools.items():
-                pool.touch(req.tables[g])
+                pool.touch(req.tables[g] if g in req.tables else [req.states[g].slot])
             self._requests[request_id] = req
             if self.enable_prefix_caching:
                 self.stats.prefix_cache_queries += len(token_ids)
                 self.stats.prefix_cache_hits += num_cached_tokens
         self.cache_blocks(request_id, token_ids, num_computed_tokens)  # before the window frees computed blocks
+        for g, st in req.states.items():
+            st.write = self.pools[g].allocate(1)[0] if plan.pop(g) else st.slot
+            st.end = num_computed_tokens + num_new_tokens
         for g, (stale, num_alloc) in plan.items():
             table, pool = req.tables[g], self.pools[g]
             pool.free([table[i] for i in stale])
@@ -133,6 +185,9 @@ class KVCacheManager:
         first_needed_block(num_tokens) on, null before). mm_spans: the prompt's multimodal items. All or nothing,
         as allocate."""
         assert request_id not in self._requests, f"{request_id} already holds blocks"
+        if self.state_specs:
+            raise ValueError(f"state groups {sorted(self.state_specs)}: their states cannot be received from a "
+                             "prefill instance (PD moves paged blocks only)")
         n = -(-num_tokens // self.block_size)
         plan = {g: min(spec.first_needed_block(num_tokens), n) for g, spec in self.specs.items()}
         if any(n - first > self.pools[g].num_free_blocks for g, first in plan.items()):
@@ -151,17 +206,33 @@ class KVCacheManager:
                 raise RuntimeError(f"group {g}: a prefix-cache hit was evicted since get_computed_tokens; "
                                    "allocate a request right after querying it")
             tables[g] = [NULL_BLOCK] * first + ids
-        return _Request(tables, hashes, num_cached_blocks=num_blocks, mm_spans=mm_spans)
+        states = {g: _State(self.pools[g].lookup(hashes[num_blocks - 1]) if num_blocks else NULL_BLOCK)
+                  for g in self.state_specs}
+        if any(st.slot is None for st in states.values()):
+            raise RuntimeError("a prefix-cache checkpoint was evicted since get_computed_tokens; allocate a request "
+                               "right after querying it")
+        return _Request(tables, hashes, num_cached_blocks=num_blocks, mm_spans=mm_spans, states=states)
 
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Register the request's blocks that became full (all block_size tokens computed) under their hashes, in
-        every group whose table still holds them. Idempotent."""
+        every group whose table still holds them. Once the scheduled step ran (num_computed_tokens reached its
+        end), a state group's written slot becomes the request's state (the slot it read is released), and a
+        checkpoint when the step ended on a block boundary. Idempotent."""
+        req = self._requests[request_id]
+        if self.enable_prefix_caching:
+            hash_blocks(token_ids, self.block_size, req.hashes, num_computed_tokens, req.mm_spans)
+        for g, st in req.states.items():
+            if st.write == NULL_BLOCK or num_computed_tokens < st.end:
+                continue
+            if st.write != st.slot:
+                self.pools[g].free([st.slot])
+            st.slot, st.write = st.write, NULL_BLOCK
+            if self.enable_prefix_caching and st.end % self.block_size == 0 and st.end == num_computed_tokens:
+                self.pools[g].cache(st.slot, req.hashes[st.end // self.block_size - 1])
         if not self.enable_prefix_caching:
             return
-        req = self._requests[request_id]
-        hash_blocks(token_ids, self.block_size, req.hashes, num_computed_tokens, req.mm_spans)
-        for g, pool in self.pools.items():
-            table = req.tables[g]
+        for g in self.specs:
+            pool, table = self.pools[g], req.tables[g]
             assert len(req.hashes) <= len(table), f"{request_id}: tokens computed beyond its allocated blocks"
             for i in range(req.num_cached_blocks, len(req.hashes)):
                 pool.cache(table[i], req.hashes[i])
@@ -172,8 +243,11 @@ class KVCacheManager:
         enter the free queue last and so are evicted last. Unknown ids are ignored."""
         req = self._requests.pop(request_id, None)
         if req is not None:
-            for g, pool in self.pools.items():
-                pool.free(reversed(req.tables[g]))
+            for g, st in req.states.items():
+                self.pools[g].free([st.write] if st.write not in (NULL_BLOCK, st.slot) else [])
+                self.pools[g].free([st.slot])
+            for g in self.specs:
+                self.pools[g].free(reversed(req.tables[g]))
 
 
 def _out_of_window(table: list[int], first_needed: int) -> range:

@@ -73,12 +73,17 @@ class ToyCausalLM(nn.Module):
     @torch.no_grad()
     def full_logits(self, ids: list[int]) -> torch.Tensor:
         """The logits of every position [n, V], everything recomputed, no cache."""
+        return self.compute_logits(self.full_hidden(ids))
+
+    @torch.no_grad()
+    def full_hidden(self, ids: list[int]) -> torch.Tensor:
+        """The final hidden state of every position [n, D], everything recomputed, no cache."""
         n, device = len(ids), self.embed.weight.device
         x = self.embed(torch.tensor(ids, device=device)) + self.pos(torch.arange(n, device=device))  # [n, D]
         q = self.wq(x).view(n, self.heads, self.head_dim).transpose(0, 1)  # [H, n, Dh]
         k, v = self.wkv(x).view(n, 2, 1, self.head_dim).expand(n, 2, self.heads, self.head_dim).unbind(1)
         o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), is_causal=True)  # [H, n, Dh]
-        return self.compute_logits(x + self.wo(o.transpose(0, 1).reshape(n, -1)))
+        return x + self.wo(o.transpose(0, 1).reshape(n, -1))
 
 
 def greedy_full_recompute(model: ToyCausalLM, prompt: list[int], max_tokens: int) -> list[int]:

@@ -9,6 +9,7 @@ from .attention import (
 )
 from .hstu import hstu_attention
 from .indexer import lightning_indexer
+from .kda import causal_conv1d, causal_conv1d_update, chunk_kda, recurrent_kda
 from .moe import grouped_matmul, moe_finalize_routing, moe_gating_topk, moe_init_routing, swiglu
 from .norm import add_rms_norm, rms_norm
 from .quant import dynamic_quant, grouped_quant_matmul, quant_linear
@@ -34,4 +35,8 @@ __all__ = [
     "dynamic_quant",
     "quant_linear",
     "grouped_quant_matmul",
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "chunk_kda",
+    "recurrent_kda",
 ]
