@@ -3,7 +3,10 @@
 fp32, the tiny checkpoint with index_topk 4: the CSA indexer's top-k binds (the sequences here end with 13-18
 compressed entries, (prompt + output) / 4), so the graph's fixed-width top-k must select exactly what eager does.
 One graph engine (buckets 1 and 4, compiled once for the module: the CPU compile is the slow part) serves
-every scenario, with chunked prefill (8 tokens a step) and a cache small enough to preempt.
+every scenario, with chunked prefill (8 tokens a step) and a cache small enough to preempt. The checkpoint has
+3 Sinkhorn iterations (hc_sinkhorn_iters, 20 in the tiny config) because the compiled graph unrolls every one:
+graph == eager holds for any count, and the 20-iteration path is checked eager against transformers
+(test_parity_transformers.py).
 """
 import pytest
 import torch
@@ -22,7 +25,8 @@ ENGINE = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=8, num_block
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("graph") / "ckpt", seed=5, quantized=False, index_topk=4)
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("graph") / "ckpt", seed=5, quantized=False, index_topk=4,
+                                 hc_sinkhorn_iters=3)  # compile time: see the module docstring
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     tok = AutoTokenizer.from_pretrained(path)

@@ -156,8 +156,7 @@ def test_ranks_equal_one_process(setup, checkpoints, tmp_path, variant, layout, 
     path = checkpoints[variant]
     run_ranks(rank_main, 2, path, 2, layout, engine_kwargs, tmp_path)
     model, _, plain = setup[variant]
-    one = load_model(path, torch.float32, mtp=True)
-    everything = one.checkpoint_reads
+    everything = model.checkpoint_reads  # the one-process model with its MTP layer: what a load reads in all
     L = ModelArgs.from_config(Checkpoint(path).config).num_hidden_layers
     parallel_layout = LLMParallelLayout(world_size=2, **layout)
     for rank in range(2):

@@ -32,6 +32,14 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def graph_ckpt(tmp_path_factory):
+    """`ckpt` with 3 Sinkhorn iterations instead of 20, for the graph-mode test: the compiled graph unrolls every
+    one (compile time); graph == eager holds for any count, and the 20-iteration path is checked eager against
+    transformers (test_parity_transformers.py)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("offload-graph") / "ckpt", seed=3, hc_sinkhorn_iters=3)
+
+
+@pytest.fixture(scope="module")
 def full(ckpt):
     return load_model(ckpt, torch.float32, mtp=True)
 
@@ -171,11 +179,12 @@ def test_engine_with_mtp_offloads_the_mtp_block_too(ckpt, full):
     assert model.mtp[0].ffn.experts.w13.shape[0] == 2 and llm.engine.stats.num_draft_tokens > 0
 
 
-def test_graph_decode_with_offload_equals_all_resident_eager(ckpt, full):
+def test_graph_decode_with_offload_equals_all_resident_eager(graph_ckpt):
     """exe_mode graph (one bucket of 2, so steps of one sequence are padded) with dynamic placement: the host
     experts run as opaque ops inside the compiled decode graph; the placement changes between requests (and within
     a run: a prompt's prefill ends while others decode), rewriting in place the tables and slots the graph reads,
     without a recompile (the engine fails on one); every token and log-prob equals the all-resident eager model's."""
+    ckpt, full = graph_ckpt, load_model(graph_ckpt, torch.float32, mtp=True)  # `full`, on the graph checkpoint
     tok = AutoTokenizer.from_pretrained(ckpt)
     engine_kwargs = dict(block_size=16, max_num_batched_tokens=8)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)

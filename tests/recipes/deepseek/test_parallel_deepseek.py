@@ -18,6 +18,15 @@ def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("parallel") / "ckpt", seed=4, quantized=False)
 
 
+@pytest.fixture(scope="module")
+def graph_checkpoint(tmp_path_factory):
+    """The graph cases' checkpoint: 3 Sinkhorn iterations instead of 20, as every one is unrolled in the compiled
+    graphs (compile time); graph == eager holds for any count, and the 20-iteration path is checked eager against
+    transformers (test_parity_transformers.py)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("parallel-graph") / "ckpt", seed=4, quantized=False,
+                                 hc_sinkhorn_iters=3)
+
+
 def rank_logits(path, world, layout, out_dir):
     parallel = init_parallel(LLMParallelLayout(world_size=world, **layout))
     try:
@@ -103,10 +112,11 @@ def rank_generate(path, world, layout, engine_kwargs, num_prompts, sampled, out_
     (2, {"attn_tp": 2}, {"exe_mode": "graph", "graph_capture_sizes": (1,), "max_num_seqs": 1}, 1, True),
 ], ids=["tp2-chunked-preempted", "dp2-ep2-chunked-preempted", "dp2xtp2-ep4-idle", "tp2-mtp2", "dp2-ep2-mtp3-chunked",
         "dp2-ep2-vocab2-graph", "tp2-graph"])
-def test_greedy_generation_over_ranks_equals_one_process(checkpoint, tmp_path, world, layout, engine_kwargs,
+def test_greedy_generation_over_ranks_equals_one_process(request, tmp_path, world, layout, engine_kwargs,
                                                         num_prompts, sampled):
     from common.engine import LLM, SamplingParams
     from transformers import AutoTokenizer
+    checkpoint = request.getfixturevalue("graph_checkpoint" if "exe_mode" in engine_kwargs else "checkpoint")
     run_ranks(rank_generate, world, checkpoint, world, layout, engine_kwargs, num_prompts, sampled, tmp_path)
     llm = LLM(load_model(checkpoint, torch.float32), AutoTokenizer.from_pretrained(checkpoint), block_size=16)
     want = [o.token_ids for o in llm.generate(GEN_PROMPTS[:num_prompts], SamplingParams(**GREEDY), use_tqdm=False)]

@@ -13,6 +13,13 @@ def run(*args, timeout=300):
     return subprocess.run(["bash", str(RUN_SH), *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def plain_fp32():
+    """`run.sh --max-tokens 6 --dtype fp32`, one process: the run the speculative and the multi-rank tests compare
+    against (deterministic: started once for the module)."""
+    return run("--max-tokens", 6, "--dtype", "fp32")
+
+
 def test_default_run_writes_the_tiny_checkpoint_and_generates():
     r = run("--max-tokens", 3)
     assert r.returncode == 0, r.stderr
@@ -24,10 +31,10 @@ def test_default_run_writes_the_tiny_checkpoint_and_generates():
     assert (RUN_SH.parents[2] / "weights" / "deepseek-v4-tiny" / "config.json").is_file()
 
 
-def test_speculative_tokens_give_the_same_greedy_completions():
+def test_speculative_tokens_give_the_same_greedy_completions(plain_fp32):
     """fp32: in bf16 a verify forward (1 + K rows a sequence) rounds unlike a one-row decode, so near-ties can
     pick other tokens, as a chunked prefill against a whole one can."""
-    plain = run("--max-tokens", 6, "--dtype", "fp32")
+    plain = plain_fp32
     spec = run("--max-tokens", 6, "--dtype", "fp32", "--speculative-tokens", 2)
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     lines = [r.stdout.strip().splitlines() for r in (plain, spec)]
@@ -81,9 +88,9 @@ def test_corrupt_checkpoint_gives_one_line_and_exit_2(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-cpu-tp2.yaml", "tiny-cpu-dp2-ep2.yaml"])
-def test_multi_rank_presets_launch_torchrun_and_equal_one_rank(preset):
+def test_multi_rank_presets_launch_torchrun_and_equal_one_rank(preset, plain_fp32):
     """run.sh starts torchrun itself for a preset of 2 ranks; fp32: the same completions as one process."""
-    one = run("--max-tokens", 6, "--dtype", "fp32")
+    one = plain_fp32
     ranks = run("--max-tokens", 6, "--dtype", "fp32", "--config", f"configs/{preset}")
     assert one.returncode == 0 and ranks.returncode == 0, ranks.stderr
     completions = lambda out: [line for line in out.splitlines() if not line.startswith(("requests=", "dtype:"))]  # noqa: E731

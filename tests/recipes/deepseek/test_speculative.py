@@ -19,16 +19,27 @@ NEW = 30
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "ckpt", seed=3, quantized=False,
-                                 num_nextn_predict_layers=1)
+def make_setup(path, **overrides):
+    path = write_tiny_checkpoint(path, seed=3, quantized=False, num_nextn_predict_layers=1, **overrides)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 13, 37, 22)]
     tok = AutoTokenizer.from_pretrained(path)
     model = load_model(path, torch.float32, mtp=True)
     plain = LLM(model, tok, block_size=16).generate(prompts, GREEDY, use_tqdm=False)
     return model, tok, prompts, plain
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return make_setup(tmp_path_factory.mktemp("spec") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def graph_setup(tmp_path_factory):
+    """`setup` with 3 Sinkhorn iterations instead of 20, for the graph-mode test: the compiled graphs unroll every
+    one (compile time); graph == eager holds for any count, and the 20-iteration path is checked eager against
+    transformers (test_parity_transformers.py)."""
+    return make_setup(tmp_path_factory.mktemp("spec-graph") / "ckpt", hc_sinkhorn_iters=3)
 
 
 DRAFTS = pytest.mark.parametrize("k", [1, 3])
@@ -64,11 +75,11 @@ def test_accepted_and_rejected_drafts_commit_exactly_the_plain_tokens(setup, k, 
     assert llm.engine.kv_cache.all_blocks_free()
 
 
-def test_graph_mode_verifies_the_drafts_in_its_graphs(setup):
+def test_graph_mode_verifies_the_drafts_in_its_graphs(graph_setup):
     """exe_mode graph with k = 2: a verify step (every sequence its token and 2 drafts) runs as a graph of 3-token
     sequences padded to its bucket; greedy tokens and log-probs equal plain decoding, with rejected drafts (the
     random MTP layer, 4 requests) and accepted ones (the oracle's, 1 request padded to the bucket of 4)."""
-    model, tok, prompts, plain = setup
+    model, tok, prompts, plain = graph_setup
     llm = LLM(model, tok, block_size=16, num_speculative_tokens=2, exe_mode="graph", graph_capture_sizes=(4,))
     check_graph_verify_steps(llm, prompts, plain, GREEDY, bucket=4)
 

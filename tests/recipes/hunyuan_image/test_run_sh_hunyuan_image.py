@@ -15,14 +15,21 @@ def run(*args, timeout=180):
     return subprocess.run(["bash", str(RUN_SH), *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
 
-def test_default_run_writes_a_png(tmp_path):
-    r = run("--output", tmp_path / "a.png")
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`run.sh --output a.png`, one rank: the default run, and the one the EP run is compared with (started once)."""
+    out = tmp_path_factory.mktemp("default-run") / "a.png"
+    return run("--output", out), out
+
+
+def test_default_run_writes_a_png(default_run):
+    r, out = default_run
     assert r.returncode == 0, r.stderr
-    assert f"wrote {tmp_path / 'a.png'}" in r.stdout
+    assert f"wrote {out}" in r.stdout
     stats = dict(kv.split("=") for kv in r.stdout.strip().splitlines()[-1].split())
     assert stats["size"] == "64x64" and stats["steps"] == "4" and float(stats["denoise_s"]) > 0
     assert "denoise" in r.stderr  # the progress bar over steps
-    with Image.open(tmp_path / "a.png") as im:
+    with Image.open(out) as im:
         assert im.size == (64, 64) and im.mode == "RGB"
         pixels = np.asarray(im)
     assert pixels.std() > 0  # not a blank image
@@ -71,9 +78,9 @@ def test_bad_checkpoint_through_run_sh(tmp_path):
 
 
 @pytest.mark.slow
-def test_ep_run_under_torchrun_matches_one_rank(tmp_path):
-    one, two = tmp_path / "one.png", tmp_path / "ep2.png"
-    assert run("--output", one).returncode == 0
+def test_ep_run_under_torchrun_matches_one_rank(default_run, tmp_path):
+    (first, one), two = default_run, tmp_path / "ep2.png"
+    assert first.returncode == 0
     r = run("--ep", "2", "--output", two, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "ranks=2" in r.stdout and r.stdout.count("wrote ") == 1  # rank 0 writes, once
