@@ -134,10 +134,12 @@ lightning_indexer = reference.lightning_indexer
 # npu_fused_infer_attention_score always applies a softmax, so the reference (plain torch ops) runs on NPU too.
 hstu_attention = reference.hstu_attention
 
-# Kimi Delta Attention (Ling-3.0-Flash) and its short causal conv: torch_npu 2.14.0 has no KDA / gated delta rule
-# op and no causal conv1d op. Upstream Ascend runs PyPTO kernels (`chunk_kda_wrapper`, `fused_recurrent_kda`), which
-# are not torch_npu ops (and take the state as [..., V, K]), so the references (plain torch ops, state
-# [S, H, K, V] fp32) run on NPU too.
+# Kimi Delta Attention (Ling-3.0-Flash) and its short causal conv: torch_npu 2.14.0's gated-delta-rule and causal
+# conv ops do not fit as documented (npu_recurrent_gated_delta_rule: gk, KDA's per-channel decay, "not supported in
+# the current version", state bf16 only; npu_chunk_gated_delta_rule: one decay per head; npu_fused_causal_conv1d:
+# Ascend 950 only, kernel width 3, Ling's is 4; see ops/README.md). Upstream Ascend runs PyPTO kernels
+# (`chunk_kda_wrapper`, `fused_recurrent_kda`), which are not torch_npu ops (and take the state as [..., V, K]), so
+# the references (plain torch ops, state [S, H, K, V] fp32) run on NPU too.
 causal_conv1d = reference.causal_conv1d
 causal_conv1d_update = reference.causal_conv1d_update
 chunk_kda = reference.chunk_kda

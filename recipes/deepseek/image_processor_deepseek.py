@@ -27,7 +27,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-IMAGE_TOKEN = "<｜deepseek_image｜>"  # the prompt's placeholder, one per image
+from encoding_deepseek_v4 import IMAGE_PLACEHOLDER
+
+IMAGE_TOKEN = IMAGE_PLACEHOLDER  # the prompt's placeholder, one per image (V4's encoding writes it)
 IMAGE_TOKEN_ID = 129264  # its id in the publisher's tokenizer (config.json `image_token_id`)
 TEXT, IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = -1, 0, 1, 2, 3  # per-token types
 PAD_COLOR = (127, 127, 127)

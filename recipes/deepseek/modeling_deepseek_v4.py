@@ -34,8 +34,6 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.model_contract import ModelContract
 from common.kv_cache import CacheGroupSpec, CacheTensorSpec, check_cache_tensors
 from config_deepseek_v4 import CSA, SLIDING, ModelArgs
-from image_processor_deepseek import DeepseekImageProcessor, ImageProcessorConfig
-from modeling_deepseek_vision import DeepseekVisionModel, VisionArgs, VisionEncoder
 
 WINDOW = "window"  # token-level group: sliding-window KV + the compressors' per-token state
 
@@ -653,7 +651,9 @@ class DeepseekV4(nn.Module):
         k = args.num_nextn_predict_layers if mtp else 0
         self.mtp = nn.ModuleList(MTPBlock(args, i, ropes, parallel, offload_slots) for i in range(k))
         self.vision_model = None
-        if args.has_vision:
+        if args.has_vision:  # the vision files are read for a vision checkpoint only (a text-only copy drops them)
+            from modeling_deepseek_vision import DeepseekVisionModel, VisionArgs
+
             self.vision_model = DeepseekVisionModel(VisionArgs.from_config({"vision_config": args.vision_config,
                                                                             "hidden_size": D}))
 
@@ -674,6 +674,9 @@ class DeepseekV4(nn.Module):
         a = self.args
         encoder = None
         if self.vision_model is not None:
+            from image_processor_deepseek import DeepseekImageProcessor, ImageProcessorConfig
+            from modeling_deepseek_vision import VisionEncoder
+
             processor = DeepseekImageProcessor(ImageProcessorConfig.from_config({"vision_config": a.vision_config}),
                                                a.image_token_id, self.embed.weight.dtype)
             encoder = VisionEncoder(self.vision_model, processor)

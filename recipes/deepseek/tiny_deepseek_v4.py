@@ -22,10 +22,8 @@ from tokenizers import Tokenizer
 
 from common.loader import quantize_fp8_block, quantize_mxfp4, save_checkpoint, write_tokenizer
 from config_deepseek_v4 import CSA, HCA, SLIDING, ModelArgs
-from encoding_deepseek_v4 import encode_messages
-from image_processor_deepseek import IMAGE_TOKEN
+from encoding_deepseek_v4 import IMAGE_PLACEHOLDER, encode_messages
 from modeling_deepseek_v4 import DeepseekV4
-from modeling_deepseek_vision import VisionArgs, random_vision_tensors
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIAL_TOKENS = {"bos": BOS, "eos": EOS,  # ids 0, 1, ... in this order (config bos/eos ids)
@@ -129,6 +127,8 @@ def publisher_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def vision_state(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
     """The vision tower, aligner and span vectors (modeling_deepseek_vision.random_vision_tensors) and every main
     layer's router bias for image tokens `ffn.gate.bias_vl`, fp32, from generators seeded apart from the LLM's."""
+    from modeling_deepseek_vision import VisionArgs, random_vision_tensors  # vision checkpoints only
+
     vision = VisionArgs.from_config({"vision_config": args.vision_config, "hidden_size": args.hidden_size})
     out = random_vision_tensors(vision, seed + 1, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed + 2)
@@ -189,9 +189,9 @@ def write_tiny_checkpoint(path, seed: int = 0, quantized: bool | str = True, max
     vision_config = {**TINY_VISION_CONFIG, **overrides.pop("vision_config", {})}
     vocab_size = overrides.get("vocab_size", TINY_CONFIG["vocab_size"])
     write_tokenizer(path, vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE,
-                    extra_corpus=format_corpus(), last_special_tokens=(IMAGE_TOKEN,))
+                    extra_corpus=format_corpus(), last_special_tokens=(IMAGE_PLACEHOLDER,))
     # the placeholder's id: the last one (vocab_size - 1) where the corpus fills the vocabulary (the tiny one)
-    image_token_id = Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id(IMAGE_TOKEN)
+    image_token_id = Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id(IMAGE_PLACEHOLDER)
     config = {**TINY_CONFIG, **({"vision_config": vision_config, "image_token_id": image_token_id} if vision else {}),
               **overrides}
     args = ModelArgs.from_config(config)

@@ -21,7 +21,12 @@ from common.offload import (DynamicPlacement, ExpertOffload, FrequencyPlacement,
                             MoEOffloadConfig, MXFP4Experts, ResidentExperts, TorchHostExperts, dequant_expert)
 from config_deepseek_v4 import ModelArgs
 from modeling_deepseek_v4 import DeepseekV4
-from modeling_deepseek_vision import vision_rename
+
+try:  # the vision tower's names; a text-only copy of the recipe drops the vision files: then no tensor is the tower's
+    from modeling_deepseek_vision import vision_rename
+except ModuleNotFoundError:
+    def vision_rename(name: str) -> None:
+        return None
 
 MTP = r"^(model\.)?mtp\."  # the MTP blocks: loaded with load_model(mtp=True), for speculative decoding
 MTP_BIAS_VL = r"^(model\.)?mtp\.\d+\.ffn\.gate\.bias_vl$"  # the drafts route image tokens as text: not read
