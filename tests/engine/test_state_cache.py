@@ -114,7 +114,8 @@ def test_prefill_logits_of_a_state_model_equal_a_full_recompute():
     model = ToyStateLM().eval()
     ps = prompts(2, (7, 13, 1))
     torch.testing.assert_close(prefill_logits(model, ps, block_size=BS),
-                               torch.cat([model.full_logits(p) for p in ps]), atol=1e-5, rtol=1e-5)
+                               torch.cat([model.full_logits(p) for p in ps]), atol=1e-4, rtol=1e-4)  # fp32,
+    #   packed vs one sequence: the GEMMs' reduction order differs by CPU kind (AVX2: 1.2e-5)
     assert model.state.dtype == torch.float32 and model.state.shape[1:] == (1, 1, 32)
 
 
