@@ -1,4 +1,5 @@
-"""torch.distributed from the torchrun environment, named process groups, thin collective helpers.
+"""torch.distributed from the torchrun environment, named process groups, thin collective helpers; `launch_ranks`
+starts a script again under torchrun (a recipe's multi-rank preset).
 
 Ranks are laid out on a mesh [dp, cfg, sp, tp] (tp fastest, so a tp group is neighbouring ranks, the ones that
 share a node's fast links); each named group holds the ranks that differ only along that axis. `ep` is not a
@@ -450,3 +451,56 @@ def gather_to_rank0(obj) -> list | None:
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
+
+
+def launch_ranks(world_size: int) -> None:
+    """Run this very command (sys.argv) again under torchrun on world_size local processes (hccl on NPU, gloo on
+    CPU) and exit with their exit code: how a recipe's script starts a multi-rank preset itself. SIGTERM / SIGINT go
+    to rank 0 alone, which (serving) drains and tells the other ranks to stop, so the job ends cleanly. When a rank
+    fails, torchrun stops the others and names the first failure in its report; this ends with one line saying
+    which rank it was. Several machines: start torchrun on each yourself (--nnodes, --node-rank, --rdzv-endpoint):
+    the script sees WORLD_SIZE and does not launch again."""
+    import contextlib
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import psutil
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+               sys.argv[0], *sys.argv[1:]]
+    sys.stdout.flush()
+    job = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace")
+
+    def to_rank0(sig, _frame):
+        for child in psutil.Process(job.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if child.environ().get("RANK") == "0":
+                    child.send_signal(sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, to_rank0)
+    root_cause: list[str] = []
+
+    def relay():  # the ranks' and torchrun's stderr, as it comes; torchrun's "Root Cause" block names the rank
+        seen_root = False
+        for line in job.stderr:
+            sys.stderr.write(line)
+            seen_root = seen_root or "Root Cause" in line
+            if seen_root and not root_cause and (m := re.search(r"\brank\s*:\s*(\d+)", line)):
+                root_cause.append(m[1])
+            if seen_root and root_cause and (m := re.search(r"exitcode\s*:\s*(-?\d+)", line)):
+                root_cause.append(m[1])
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    job.wait()
+    reader.join(timeout=5)
+    if job.returncode and root_cause:
+        code = int(root_cause[1]) if len(root_cause) > 1 else None
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        print(f"error: rank {root_cause[0]} of {world_size} failed first ({how}); torchrun stopped the others",
+              file=sys.stderr)
+    sys.exit(job.returncode)

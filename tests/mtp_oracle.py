@@ -7,7 +7,8 @@ from common.engine.spec_decode import MTPProposer
 class OracleProposer(MTPProposer):
     def __init__(self, base: MTPProposer, reference: dict[tuple[int, ...], list[int]], vocab_size: int):
         """reference: prompt ids -> the plain run's output tokens."""
-        super().__init__(base.mtp, base.groups, base.device, base.k, base.block_size, base.max_model_len)
+        super().__init__(base.mtp, base.groups, base.device, base.k, base.block_size, base.max_model_len,
+                         state_groups=base.state_groups)
         self.reference, self.vocab, self.calls = reference, vocab_size, 0
 
     def propose(self, scheduled, streams, offsets, block_tables):

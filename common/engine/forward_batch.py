@@ -11,9 +11,11 @@ bucket), no shape that depends on the requests. Padding sequences have as many t
 so their every slot is a row of the null block 0: they write nowhere a real sequence reads, and real rows never
 see them.
 
-State groups (CacheGroupSpec kind "state", named in `state_groups`): the group's block table is [B, 2] int32,
-each sequence's (read slot, write slot) of its per-request state, and it has no slot mapping. Read slot 0 (the null
-slot) means a zero initial state: a sequence's first step, and every padding sequence, which writes slot 0.
+State groups (CacheGroupSpec kind "state", named in `state_groups`): the group's block table is [B, 1 + W] int32,
+each sequence's read slot of its per-request state, then W write slots: column 1 + i takes the state after the
+sequence's token q_len - W + i (W = 1: the final state; W = 1 + num_speculative_tokens under speculative decoding,
+a state per draft a verify step may accept; 0: not kept), and it has no slot mapping. Read slot 0 (the null slot)
+means a zero initial state: a sequence's first step, and every padding sequence, which writes only slot 0.
 
 Multimodal rows (ModelContract.encoder): `mm_embeds` [M, D] are written over the token embeddings of rows `mm_rows`
 [M] before the first layer; a text-only batch has neither.
@@ -34,7 +36,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int32, kv length of each sequence after this step
     block_size: int
     block_tables: dict[str, torch.Tensor]  # group -> [B, max_blocks] int32, null block 0 where absent (a state
-    #   group: [B, 2], the read and write slots)
+    #   group: [B, 1 + W], the read slot and the write slots)
     slot_mapping: dict[str, torch.Tensor]  # paged group -> [T] int64, cache row of each new token
     max_seqlen_q: int = 0  # host: the longest sequence's new tokens (1: a decode batch)
     max_seqlen_k: int = 0  # host: the longest kv length (a padded decode batch: the bound it was built for)
@@ -52,15 +54,17 @@ class ForwardBatch:
               block_size: int, device=None, pad_to: int | None = None, table_width: int | None = None,
               max_seqlen_k: int | None = None, state_groups: tuple[str, ...] = ()) -> "ForwardBatch":
         """new_tokens[b]: the tokens computed this step for sequence b, which already has num_computed[b] in cache.
-        state_groups: the groups whose block_tables[b] entry is [read slot, write slot] (see the module docstring).
+        state_groups: the groups whose block_tables[b] entry is [read slot, *write slots] (see the module
+        docstring).
         pad_to: append padding sequences up to this many, a graph-mode bucket that every rank of the step pads to
         (so the batch is uniform_across_ranks); table_width: block-table columns (default: the widest table);
         max_seqlen_k: the kv-length bound ops pad to (default: the longest kv length)."""
         if pad_to is not None and pad_to > len(new_tokens):
             n, q = pad_to - len(new_tokens), max(map(len, new_tokens), default=1)  # as many tokens as the others
-            groups = block_tables[0] if block_tables else ()
+            first = block_tables[0] if block_tables else {}
             new_tokens, num_computed = [*new_tokens, *[[0] * q] * n], [*num_computed, *[0] * n]
-            block_tables = [*block_tables, *[{g: [] for g in groups}] * n]
+            block_tables = [*block_tables, *[{g: [0] * len(t) if g in state_groups else [] for g, t in first.items()}]
+                            * n]
         q_lens = [len(t) for t in new_tokens]
         kv_lens = [c + n for c, n in zip(num_computed, q_lens)]
         if table_width is not None and any(len(t[g]) > table_width for t in block_tables for g in t):
@@ -73,9 +77,8 @@ class ForwardBatch:
         cu[1:] = torch.tensor(q_lens).cumsum(0)
         tables, slots = {}, {}
         for group in block_tables[0] if block_tables else ():
-            if group in state_groups:  # padding sequences read and write the null slot
-                tables[group] = torch.tensor([t[group] or [0, 0] for t in block_tables], dtype=torch.int32,
-                                             device=device).view(-1, 2)  # [B, 2]
+            if group in state_groups:  # [B, 1 + W]; padding sequences read and write the null slot
+                tables[group] = torch.tensor([t[group] for t in block_tables], dtype=torch.int32, device=device)
                 continue
             rows = [t[group] for t in block_tables]
             table = torch.zeros(len(rows), table_width or max(map(len, rows), default=0) or 1, dtype=torch.int32)

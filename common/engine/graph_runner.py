@@ -68,9 +68,10 @@ def decode_step(model, mtp, batch: ForwardBatch):
 
 class GraphRunner:
     def __init__(self, model, contract: ModelContract, config: EngineConfig, groups: list[str], device: torch.device,
-                 keep_streams: bool):
-        """groups: the model's cache groups (the padding sequences get an empty table in each); keep_streams: the
-        steps return the residual streams too (contract.mtp's, for the MTP drafts)."""
+                 keep_streams: bool, state_groups: tuple[str, ...] = ()):
+        """groups: the model's cache groups (the padding sequences get an empty table in each, the null slots in a
+        state group's); keep_streams: the steps return the residual streams too (contract.mtp's, for the MTP
+        drafts); state_groups: those of kind "state" (tables of a read and 1 + num_speculative_tokens write slots)."""
         if device.type not in ("cpu", "cuda"):
             raise ValueError(
                 f"exe_mode graph runs on CPU (torch.compile) and CUDA (torch.compile, then a CUDA graph per bucket) in "
@@ -83,7 +84,7 @@ class GraphRunner:
         ahead = 2 * config.num_speculative_tokens  # MTP: blocks allocated for the drafts' lookahead
         self.table_width = -(-(config.max_model_len + ahead) // config.block_size)  # blocks of the longest sequence
         self.query_len = 1 + config.num_speculative_tokens  # tokens a sequence computes in a graph step: MTP verifies
-        self.groups = groups
+        self.groups, self.state_groups = groups, state_groups
         self.device = device
         self.replays = dict.fromkeys(self.sizes, 0)  # bucket -> steps it ran
         self.capture_seconds: float | None = None
@@ -114,14 +115,15 @@ class GraphRunner:
 
     def padding(self, n: int) -> ForwardBatch:
         """A step of padding alone, n sequences (start-up compiles, and a data-parallel rank with nothing to run)."""
-        return self.build([[0] * self.query_len] * n, [0] * n, [dict.fromkeys(self.groups, [])] * n)
+        tables = {g: [0] * (1 + self.query_len) if g in self.state_groups else [] for g in self.groups}
+        return self.build([[0] * self.query_len] * n, [0] * n, [tables] * n)
 
     def build(self, new_tokens: list[list[int]], num_computed: list[int],
               block_tables: list[dict[str, list[int]]], bucket: int | None = None) -> ForwardBatch:
         """The step's sequences (query_len tokens each) padded to `bucket` (default: the smallest that holds them)."""
         return ForwardBatch.build(new_tokens, num_computed, block_tables, self.block_size, self.device,
                                   pad_to=bucket or self.bucket(len(new_tokens)), table_width=self.table_width,
-                                  max_seqlen_k=self.max_seqlen_k)
+                                  max_seqlen_k=self.max_seqlen_k, state_groups=self.state_groups)
 
     @torch.inference_mode()
     def capture(self, show_progress: bool = True) -> None:

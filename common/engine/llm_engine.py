@@ -117,12 +117,6 @@ class LLMEngine:
         self.parallel = contract.parallel or par.Parallel(par.LLMParallelLayout())
         self.dp_group, tp_group = self.parallel.group("attn_dp"), self.parallel.group("attn_tp")
         self.proposer = None  # MTP drafts (speculative decoding)
-        if state := [s.name for s in specs if s.is_state]:
-            if kv_connector is not None:
-                raise ValueError(f"PD disaggregation does not move state cache groups {state} yet")
-            if config.num_speculative_tokens:
-                raise ValueError(f"speculative decoding does not keep per-draft states of state cache groups "
-                                 f"{state} yet")
         if config.num_speculative_tokens:
             if contract.mtp is None:
                 raise ValueError("speculative decoding needs the model's MTP layer (load_model(..., mtp=True) with a "
@@ -130,10 +124,12 @@ class LLMEngine:
             self.runner = ModelRunner(model, contract, config, num_blocks, keep_streams=True)
             self.proposer = MTPProposer(contract.mtp, [s.name for s in specs], self.runner.device,
                                         config.num_speculative_tokens, config.block_size, config.max_model_len,
-                                        lockstep=par.group_size(self.dp_group) > 1)
+                                        lockstep=par.group_size(self.dp_group) > 1,
+                                        state_groups=self.runner.state_groups)
         else:
             self.runner = ModelRunner(model, contract, config, num_blocks)
-        self.kv_cache = KVCacheManager(self.runner.specs, self.runner.num_blocks, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(self.runner.specs, self.runner.num_blocks, config.enable_prefix_caching,
+                                       state_writes=1 + config.num_speculative_tokens)
         self.scheduler = Scheduler(config, self.kv_cache)
         generator = None
         if par.group_size(tp_group) > 1:  # TP peers draw the same noise: one seed, from the group's first rank

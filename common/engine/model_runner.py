@@ -34,7 +34,8 @@ def blocks_that_fit(model, config: EngineConfig) -> dict[str, int]:
     max_num_seqs full-length requests could use. (Equal counts for every group left most of a windowed model's
     cache unusable: DeepSeek-V4-Flash keeps 97% of its bytes per token in the window group.) A state group gets
     a slot per running request (max_num_seqs), and with prefix caching twice as many more: a request writes a
-    fresh slot in the step after a checkpoint, and saved checkpoints outlive their requests until evicted."""
+    fresh slot in the step after a checkpoint, and saved checkpoints outlive their requests until evicted; under
+    speculative decoding num_speculative_tokens more per request (a verify step writes a slot per candidate end)."""
     bs = config.block_size
     specs = model.cache_specs(bs)
     sizes = cache_bytes_per_block(model.cache_tensor_specs(), bs, model.engine_contract().dtype)
@@ -43,18 +44,18 @@ def blocks_that_fit(model, config: EngineConfig) -> dict[str, int]:
     # a decoding request holds the blocks its window spans; the step's prefill chunks come on top (past that bound,
     # rare, the scheduler preempts as for any group)
     ahead = 2 * config.num_speculative_tokens  # drafts verified + the next drafts' lookahead, past the window
-    windowed = {s.name: config.max_num_seqs * min(full_len, -(-(s.sliding_window - 1 + ahead) // bs) + 1)
-                + -(-config.max_num_batched_tokens // bs) + 1 for s in specs if s.sliding_window is not None}
-    windowed |= {s.name: config.max_num_seqs * (3 if config.enable_prefix_caching else 1) + 1
-                 for s in specs if s.is_state}
+    bounded = {s.name: config.max_num_seqs * min(full_len, -(-(s.sliding_window - 1 + ahead) // bs) + 1)
+               + -(-config.max_num_batched_tokens // bs) + 1 for s in specs if s.sliding_window is not None}
+    per_request = (3 if config.enable_prefix_caching else 1) + config.num_speculative_tokens
+    bounded |= {s.name: config.max_num_seqs * per_request + 1 for s in specs if s.is_state}
     full = [s.name for s in specs if s.sliding_window is None and not s.is_state]
     cap = config.max_num_seqs * full_len + 1
-    left = config.kv_cache_memory_bytes - sum(n * per_block[g] for g, n in windowed.items())
+    left = config.kv_cache_memory_bytes - sum(n * per_block[g] for g, n in bounded.items())
     n_full = min(left // max(sum(per_block[g] for g in full), 1), cap) if full else 0
     if not full or n_full < 2:  # the budget does not even hold the windows: every group alike, as before
         n = max(2, min(config.kv_cache_memory_bytes // sum(per_block.values()), cap))
         return {s.name: n for s in specs}
-    return {**windowed, **dict.fromkeys(full, n_full)}
+    return {**bounded, **dict.fromkeys(full, n_full)}
 
 
 _CACHE_OWNER = weakref.WeakKeyDictionary()  # model -> a weak reference to the owner of the caches it holds
@@ -107,17 +108,14 @@ class ModelRunner:
             cpu_gemm.pack_model(model)  # bf16 weights into oneDNN's layout, once, dense copies dropped (fp32: no-op)
         self.specs = model.cache_specs(config.block_size)
         check_cache_specs(self.specs, model.cache_tensor_specs())
-        self.state_groups = tuple(s.name for s in self.specs if s.is_state)  # their tables: (read, write) slots
+        self.state_groups = tuple(s.name for s in self.specs if s.is_state)  # their tables: read, write slots
         self.num_blocks = dict(num_blocks)
         # the cache tensors, by group in spec order: this runner owns them (PD's KV transfer registers them)
         self.cache_tensors = bind_new_caches(model, self.num_blocks, config.block_size, self, contract)
         self.graphs = None  # exe_mode graph: the decode steps' compiled buckets
         if config.exe_mode == "graph":
-            if self.state_groups:
-                raise ValueError(f"graph mode does not run models with state cache groups {self.state_groups} yet: "
-                                 "use exe_mode eager")
             self.graphs = GraphRunner(model, contract, config, [s.name for s in self.specs], self.device,
-                                      keep_streams)
+                                      keep_streams, self.state_groups)
             self.graphs.capture()
 
     def check_caches(self) -> None:

@@ -17,7 +17,8 @@ preemption).
 
 State cache groups (a linear attention's per-request state, common/kv_cache/kv_cache_manager.py) are allocated,
 freed and preempted with the request's blocks, by the same calls: a request that gets no state slot waits (or
-preempts) as one that gets no block; with prefix caching, prefill chunks end on block boundaries (`_chunk`).
+preempts) as one that gets no block; with prefix caching, prefill chunks end on block boundaries (`_chunk`); a
+step that verifies drafts gets a state slot per end it may commit.
 
 PD disaggregation: on a decode instance a waiting request with do_remote_prefill is admitted by allocating its
 prompt's blocks (FIFO, as any admission: one D cannot hold waits, it is not dropped) and then waits, outside the
@@ -123,7 +124,10 @@ class Scheduler:
             decode = req.num_computed_tokens == req.num_tokens - 1
             drafts = drafts_to_verify(req, budget, self.config.max_model_len) if decode else []
             slots = self._slots(req, req.num_computed_tokens, num_new, drafts)
-            while not self.kv_cache.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, slots):
+            end = req.num_computed_tokens + num_new
+            ends = range(end, end + len(drafts) + 1)  # what the step may leave computed: a state slot each
+            while not self.kv_cache.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, slots,
+                                             ends=ends):
                 victim = self.running.pop()
                 self._preempt(victim)
                 if victim is req:
@@ -152,7 +156,7 @@ class Scheduler:
             if num_new == 0 or (num_new < req.num_tokens - cached and not self.config.enable_chunked_prefill):
                 break
             if not self.kv_cache.allocate(req.request_id, req.all_token_ids, cached, self._slots(req, cached, num_new),
-                                          cached, req.mm_inputs):
+                                          cached, req.mm_inputs, ends=range(cached + num_new, cached + num_new + 1)):
                 break
             self.waiting.popleft()
             if req.num_preemptions == 0:

@@ -28,14 +28,15 @@ from .scheduler import ScheduledRequest
 
 class MTPProposer:
     def __init__(self, mtp: MTPDraftModel, groups: list[str], device: torch.device, num_speculative_tokens: int,
-                 block_size: int, max_model_len: int, lockstep: bool = False):
-        """mtp: the model's MTP halves and layers (its ModelContract.mtp); groups: its cache groups.
+                 block_size: int, max_model_len: int, lockstep: bool = False, state_groups: tuple[str, ...] = ()):
+        """mtp: the model's MTP halves and layers (its ModelContract.mtp); groups: its cache groups, state_groups
+        those of kind "state" (an MTP layer of a hybrid model reads none: its batches carry their null tables).
         lockstep: data-parallel ranks whose MTP forwards meet in collectives (expert dispatch, vocabulary-
         parallel embedding and head): every call then runs exactly k MTP forwards, empty where a rank has nothing
         to draft, as an idle rank's main forward does."""
         self.mtp, self.k, self.lockstep = mtp, num_speculative_tokens, lockstep
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.groups, self.device = groups, device
+        self.groups, self.device, self.state_groups = groups, device, state_groups
 
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest], streams: torch.Tensor | None, offsets: list[int],
@@ -82,5 +83,7 @@ class MTPProposer:
 
     def _batch(self, tokens: list[list[int]], starts: list[int], tables) -> ForwardBatch:
         if not tokens:
-            return ForwardBatch.empty(self.groups, self.block_size, self.device)
-        return ForwardBatch.build(tokens, starts, tables, self.block_size, self.device)
+            return ForwardBatch.empty(self.groups, self.block_size, self.device, self.state_groups)
+        tables = [{g: [0] * len(t[g]) if g in self.state_groups else t[g] for g in t} for t in tables]  # no writes
+        return ForwardBatch.build(tokens, starts, tables, self.block_size, self.device,
+                                  state_groups=self.state_groups)

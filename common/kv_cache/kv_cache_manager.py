@@ -14,6 +14,12 @@ checkpoint at its end, and its first step reads that checkpoint. `align_chunk` c
 end on block boundaries and the prompt's last whole block gets a checkpoint. A slot is freed like a block (finish,
 abort, preemption, a failed step); a freed checkpoint stays findable until its slot is reused (LRU), so saved
 states are evicted like blocks.
+
+Speculative decoding (vLLM's spec_state_indices): a step that verifies d drafts may leave 1..d+1 of its tokens
+computed, so it writes the state after each of those candidate ends to its own slot (the table's write columns,
+`state_writes` = 1 + the most drafts a step verifies; the all-accepted end may be written in place); once the step
+ran, the slot of the end actually committed becomes the request's state and the others are freed. Nothing is
+recomputed after a rejection.
 """
 from __future__ import annotations
 
@@ -36,8 +42,9 @@ class KVCacheStats:
 class _State:
     """A request's slots in one state group."""
     slot: int = NULL_BLOCK  # holds the state after the request's computed tokens (NULL: none yet, a zero state)
-    write: int = NULL_BLOCK  # where the scheduled step writes (== slot: in place); NULL: no step scheduled
-    end: int = 0  # the scheduled step's end (tokens computed once it ran)
+    writes: list[int] = field(default_factory=list)  # the scheduled step's write slots, one per candidate end (the
+    #   last: all its tokens; == slot: in place; NULL before the first candidate); [] : no step scheduled
+    ends: range = range(0)  # the scheduled step's candidate ends (tokens computed once it ran), the last one last
 
 
 @dataclass(slots=True)
@@ -50,7 +57,9 @@ class _Request:
 
 
 class KVCacheManager:
-    def __init__(self, specs: list[CacheGroupSpec], num_blocks: dict[str, int], enable_prefix_caching: bool = True):
+    def __init__(self, specs: list[CacheGroupSpec], num_blocks: dict[str, int], enable_prefix_caching: bool = True,
+                 state_writes: int = 1):
+        """state_writes: write columns of a state group's table, 1 + the most drafts a step verifies."""
         names = [s.name for s in specs]
         assert names and len(set(names)) == len(names), f"cache group names must be unique: {names}"
         assert set(num_blocks) == set(names), f"num_blocks {sorted(num_blocks)} != cache groups {sorted(names)}"
@@ -61,6 +70,8 @@ class KVCacheManager:
         self.state_specs = {s.name: s for s in specs if s.is_state}
         self.num_blocks = dict(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        assert state_writes >= 1, f"state_writes {state_writes} must be at least 1"
+        self.state_writes = state_writes
         self.pools = {name: BlockPool(n, enable_prefix_caching) for name, n in num_blocks.items()}
         self.stats = KVCacheStats()
         self._requests: dict[str, _Request] = {}
@@ -84,9 +95,10 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> dict[str, list[int]]:
         """Group name -> block ids by block index (null block 0 where a window left them; the lists are live); a
-        state group -> [read slot, write slot] of the scheduled step."""
+        state group -> [read slot, *write slots] of the scheduled step (state_writes columns, null where unused)."""
         req = self._requests[request_id]
-        return {**req.tables, **{g: [st.slot, st.write] for g, st in req.states.items()}}
+        return {**req.tables, **{g: [st.slot, *(st.writes or [NULL_BLOCK] * self.state_writes)]
+                                 for g, st in req.states.items()}}
 
     def align_chunk(self, start: int, num_new: int, num_tokens: int) -> int:
         """num_new, or fewer, for a chunk [start, start + num_new) of a request with num_tokens tokens: with state
@@ -127,11 +139,14 @@ class KVCacheManager:
         return next(k for k in range(n, -1, -1) if last_miss[k] < spec.first_needed_block(k * self.block_size))
 
     def allocate(self, request_id: str, token_ids: list[int], num_computed_tokens: int, num_new_tokens: int,
-                 num_cached_tokens: int = 0, mm_spans: Sequence[MultiModalSpan] = ()) -> bool:
+                 num_cached_tokens: int = 0, mm_spans: Sequence[MultiModalSpan] = (), ends: range | None = None
+                 ) -> bool:
         """Make room for positions [num_computed_tokens, num_computed_tokens + num_new_tokens). On a request's first
         call, num_cached_tokens = get_computed_tokens(...) = num_computed_tokens takes those hit blocks, and mm_spans
         (the prompt's multimodal items, kept for every later hash) is given; later calls ignore both. Blocks no
-        window query will read again are freed. All or nothing: False, and no pool changed, when some group lacks
+        window query will read again are freed. ends: the token counts the step may leave computed, a state slot
+        each (a step verifying d drafts: d + 1 of them, at most state_writes; default: the one end
+        num_computed_tokens + num_new_tokens). All or nothing: False, and no pool changed, when some group lacks
         blocks (the scheduler then waits or preempts)."""
         req = self._requests.get(request_id)
         new = req is None
@@ -153,14 +168,17 @@ class KVCacheManager:
             if num_alloc > pool.num_free_blocks - revived + released:
                 return False
             plan[g] = stale, num_alloc
-        for g, st in req.states.items():  # a fresh slot unless the request's own is private (written in place)
+        ends = ends or range(num_computed_tokens + num_new_tokens, num_computed_tokens + num_new_tokens + 1)
+        assert 0 < len(ends) <= self.state_writes and ends.start > num_computed_tokens, \
+            f"{request_id}: candidate ends {ends} after {num_computed_tokens} tokens (state_writes {self.state_writes})"
+        for g, st in req.states.items():  # fresh slots, but the last end in place if the request's slot is private
             pool = self.pools[g]
-            fresh = st.slot == NULL_BLOCK or pool.blocks[st.slot].ref_cnt > (0 if new else 1) \
+            shared = st.slot == NULL_BLOCK or pool.blocks[st.slot].ref_cnt > (0 if new else 1) \
                 or pool.blocks[st.slot].block_hash is not None
             revived = new and st.slot != NULL_BLOCK and pool.blocks[st.slot].ref_cnt == 0
-            if fresh > pool.num_free_blocks - revived:
+            if len(ends) - (not shared) > pool.num_free_blocks - revived:
                 return False
-            plan[g] = fresh
+            plan[g] = len(ends) - (not shared)
         if new:
             for g, pool in self.pools.items():
                 pool.touch(req.tables[g] if g in req.tables else [req.states[g].slot])
@@ -170,8 +188,9 @@ class KVCacheManager:
                 self.stats.prefix_cache_hits += num_cached_tokens
         self.cache_blocks(request_id, token_ids, num_computed_tokens)  # before the window frees computed blocks
         for g, st in req.states.items():
-            st.write = self.pools[g].allocate(1)[0] if plan.pop(g) else st.slot
-            st.end = num_computed_tokens + num_new_tokens
+            fresh = self.pools[g].allocate(plan.pop(g))
+            st.writes = [NULL_BLOCK] * (self.state_writes - len(ends)) + fresh + [st.slot] * (len(ends) - len(fresh))
+            st.ends = ends
         for g, (stale, num_alloc) in plan.items():
             table, pool = req.tables[g], self.pools[g]
             pool.free([table[i] for i in stale])
@@ -182,18 +201,18 @@ class KVCacheManager:
     def allocate_external(self, request_id: str, num_tokens: int, mm_spans: Sequence[MultiModalSpan] = ()) -> bool:
         """For a new request whose first num_tokens positions are computed elsewhere (PD: written by a prefill
         instance): the blocks holding them that a later query reads (a full group: all; a window group: from
-        first_needed_block(num_tokens) on, null before). mm_spans: the prompt's multimodal items. All or nothing,
-        as allocate."""
+        first_needed_block(num_tokens) on, null before), and a state slot per state group for the state after them.
+        mm_spans: the prompt's multimodal items. All or nothing, as allocate."""
         assert request_id not in self._requests, f"{request_id} already holds blocks"
-        if self.state_specs:
-            raise ValueError(f"state groups {sorted(self.state_specs)}: their states cannot be received from a "
-                             "prefill instance (PD moves paged blocks only)")
         n = -(-num_tokens // self.block_size)
         plan = {g: min(spec.first_needed_block(num_tokens), n) for g, spec in self.specs.items()}
-        if any(n - first > self.pools[g].num_free_blocks for g, first in plan.items()):
+        if any(n - first > self.pools[g].num_free_blocks for g, first in plan.items()) \
+                or any(not self.pools[g].num_free_blocks for g in self.state_specs):
             return False
         self._requests[request_id] = _Request({g: [NULL_BLOCK] * first + self.pools[g].allocate(n - first)
-                                               for g, first in plan.items()}, mm_spans=mm_spans)
+                                               for g, first in plan.items()}, mm_spans=mm_spans,
+                                              states={g: _State(self.pools[g].allocate(1)[0])
+                                                      for g in self.state_specs})
         return True
 
     def _hit(self, token_ids: list[int], num_blocks: int, mm_spans: Sequence[MultiModalSpan]) -> _Request:
@@ -215,20 +234,21 @@ class KVCacheManager:
 
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Register the request's blocks that became full (all block_size tokens computed) under their hashes, in
-        every group whose table still holds them. Once the scheduled step ran (num_computed_tokens reached its
-        end), a state group's written slot becomes the request's state (the slot it read is released), and a
-        checkpoint when the step ended on a block boundary. Idempotent."""
+        every group whose table still holds them. Once the scheduled step ran (num_computed_tokens reached one of its
+        candidate ends), a state group's slot written for that end becomes the request's state (the slot it read and
+        the other ends' are released), and a checkpoint when that end is a block boundary. Idempotent."""
         req = self._requests[request_id]
         if self.enable_prefix_caching:
             hash_blocks(token_ids, self.block_size, req.hashes, num_computed_tokens, req.mm_spans)
         for g, st in req.states.items():
-            if st.write == NULL_BLOCK or num_computed_tokens < st.end:
+            if not st.writes or num_computed_tokens < st.ends.start:
                 continue
-            if st.write != st.slot:
-                self.pools[g].free([st.slot])
-            st.slot, st.write = st.write, NULL_BLOCK
-            if self.enable_prefix_caching and st.end % self.block_size == 0 and st.end == num_computed_tokens:
-                self.pools[g].cache(st.slot, req.hashes[st.end // self.block_size - 1])
+            assert num_computed_tokens in st.ends, f"{request_id}: {num_computed_tokens} tokens, not an end of {st.ends}"
+            keep = st.writes[num_computed_tokens - st.ends.stop + len(st.writes)]
+            self.pools[g].free([s for s in {st.slot, *st.writes} - {keep, NULL_BLOCK}])
+            st.slot, st.writes = keep, []
+            if self.enable_prefix_caching and num_computed_tokens % self.block_size == 0:
+                self.pools[g].cache(st.slot, req.hashes[num_computed_tokens // self.block_size - 1])
         if not self.enable_prefix_caching:
             return
         for g in self.specs:
@@ -244,7 +264,7 @@ class KVCacheManager:
         req = self._requests.pop(request_id, None)
         if req is not None:
             for g, st in req.states.items():
-                self.pools[g].free([st.write] if st.write not in (NULL_BLOCK, st.slot) else [])
+                self.pools[g].free([s for s in {*st.writes} - {st.slot, NULL_BLOCK}])
                 self.pools[g].free([st.slot])
             for g in self.specs:
                 self.pools[g].free(reversed(req.tables[g]))

@@ -20,8 +20,8 @@ class CacheGroupSpec:
     kind "state" (vLLM's MambaSpec): a fixed-size state per request that each step reads and rewrites (a linear
     attention's recurrent state and conv history), whatever the sequence length. A request holds one slot of the
     group's pool; a step reads the state at the slot its table names first and writes the state after the step at
-    the second (ForwardBatch: the group's table is [B, 2] = (read, write); read slot 0, the null slot: start from a
-    zero state). With prefix caching the state after a step that ends on a multiple of block_size is kept as that
+    the next (ForwardBatch: the group's table is [B, 1 + W] = (read, writes); W > 1 under speculative decoding, a
+    state per candidate end; read slot 0, the null slot: start from a zero state). With prefix caching the state after a step that ends on a multiple of block_size is kept as that
     prefix's checkpoint (see common/kv_cache/kv_cache_manager.py)."""
 
     name: str

@@ -1,7 +1,8 @@
 """Which bytes a request's KV blocks are: the model's cache tensors by group, and the writes that copy a block table.
 
 Every cache tensor is [num_blocks, ...] and contiguous, so block b of a tensor is the `block_bytes` bytes at
-`address + b * block_bytes`. A request's blocks in a group are sent as runs: consecutive block ids on both sides
+`address + b * block_bytes` (a state group's "block" is a request's state slot: its table's first entry, the state
+after the prompt, is copied like a block; the write columns beside it are null once the request has finished). A request's blocks in a group are sent as runs: consecutive block ids on both sides
 become one write per tensor (upstream and vLLM-Ascend merge the same way). The prefill and decode instances must
 hold the same tensors (same model, preset, dtype, MTP layers): `signature` says what must match.
 """

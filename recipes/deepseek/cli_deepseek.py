@@ -3,7 +3,6 @@ launch of a multi-rank preset: checked here, then the same command again under t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -96,7 +95,7 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
             check_quantization(a, args, path)
         except (CheckpointError, ValueError) as e:
             p.error(f"--config {a.config.name}: {e}")
-        launch_ranks(a.layout.world_size)
+        par.launch_ranks(a.layout.world_size)
     if os.environ.get("RANK", "0") == "0":
         print(line, flush=True)  # stdout, beside the run's other lines; stderr stays for errors
     if a.layout.world_size > 1 and int(os.environ["WORLD_SIZE"]) != a.layout.world_size:
@@ -177,56 +176,6 @@ def parallel_layout(p: ArgumentParser, a: argparse.Namespace) -> par.LLMParallel
         return par.LLMParallelLayout(**spec)
     except (ValueError, TypeError) as e:
         p.error(f"--config {a.config.name}: {e}")
-
-
-def launch_ranks(world_size: int) -> None:
-    """Run this very command again under torchrun on world_size local processes (hccl on NPU, gloo on CPU) and
-    exit with their exit code. SIGTERM / SIGINT go to rank 0 alone, which (serving) drains and tells the other
-    ranks to stop, so the job ends cleanly. When a rank fails, torchrun stops the others and names the first
-    failure in its report; this ends with one line saying which rank it was. Several machines: start torchrun on
-    each yourself (--nnodes, --node-rank, --rdzv-endpoint): the script sees WORLD_SIZE and does not launch again."""
-    import re
-    import signal
-    import subprocess
-    import threading
-
-    import psutil
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               sys.argv[0], *sys.argv[1:]]
-    sys.stdout.flush()
-    job = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace")
-
-    def to_rank0(sig, _frame):
-        for child in psutil.Process(job.pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if child.environ().get("RANK") == "0":
-                    child.send_signal(sig)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, to_rank0)
-    root_cause: list[str] = []
-
-    def relay():  # the ranks' and torchrun's stderr, as it comes; torchrun's "Root Cause" block names the rank
-        seen_root = False
-        for line in job.stderr:
-            sys.stderr.write(line)
-            seen_root = seen_root or "Root Cause" in line
-            if seen_root and not root_cause and (m := re.search(r"\brank\s*:\s*(\d+)", line)):
-                root_cause.append(m[1])
-            if seen_root and root_cause and (m := re.search(r"exitcode\s*:\s*(-?\d+)", line)):
-                root_cause.append(m[1])
-
-    reader = threading.Thread(target=relay, daemon=True)
-    reader.start()
-    job.wait()
-    reader.join(timeout=5)
-    if job.returncode and root_cause:
-        code = int(root_cause[1]) if len(root_cause) > 1 else None
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        print(f"error: rank {root_cause[0]} of {world_size} failed first ({how}); torchrun stopped the others",
-              file=sys.stderr)
-    sys.exit(job.returncode)
 
 
 def load(a: argparse.Namespace):

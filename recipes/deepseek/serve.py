@@ -29,7 +29,7 @@ import uvicorn
 from common import parallel as par
 from common.engine import LLMEngine
 from common.serving import AsyncLLMEngine
-from common.kv_transfer import DecodeConnector, PrefillConnector, make_transport
+from common.kv_transfer.cli import add_pd_args, check_pd_args, pd_connector
 from common.serving.api_server import build_app
 from common.serving.media_connector import MediaConnector
 from common.serving.response_store import DEFAULT_MAX_ENTRIES
@@ -58,23 +58,9 @@ def parse_args(argv=None):
     g.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds an http(s) image may take")
     g.add_argument("--allowed-image-domain", action="append", metavar="HOST",
                    help="a host http(s) image URLs may name (repeat; default: any; data: URLs always)")
-    p.add_argument("--pd-role", choices=("prefill", "decode"), help="PD disaggregation: this instance's role")
-    p.add_argument("--pd-bootstrap", action="append", default=[], metavar="URL",
-                   help="decode role: a prefill instance's base URL (repeat per prefill instance)")
-    p.add_argument("--pd-host", default="127.0.0.1",
-                   help="the address the KV transfer engine listens on (peers write to / are written from it)")
-    p.add_argument("--pd-protocol", default="tcp", choices=("tcp", "rdma", "ascend"),
-                   help="the Mooncake transfer protocol: tcp (any machine), rdma, ascend (NPU, needs "
-                        "mooncake-transfer-engine-npu)")
-    p.add_argument("--pd-transfer-timeout", type=float, default=600.0,
-                   help="decode role: seconds a prefill instance has to prefill and write a request's KV")
+    add_pd_args(p)
     a = p.parse_args(argv)
-    if a.pd_role == "decode" and not a.pd_bootstrap:
-        p.error("--pd-role decode needs --pd-bootstrap URL (a prefill instance)")
-    if a.pd_bootstrap and a.pd_role != "decode":
-        p.error("--pd-bootstrap is for --pd-role decode")
-    if a.pd_transfer_timeout <= 0:
-        p.error(f"--pd-transfer-timeout must be > 0, got {a.pd_transfer_timeout}")
+    check_pd_args(p, a)
     if not 0 <= a.port < 65536:
         p.error(f"--port {a.port}: not a port number")
     if a.max_waiting < 1:
@@ -97,14 +83,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     model, tokenizer, config = load(a)
-    connector = None
-    if a.pd_role is not None:
-        try:
-            transport = make_transport(a.pd_host, a.pd_protocol)
-        except RuntimeError as e:
-            fail(e)
-        connector = (PrefillConnector(transport) if a.pd_role == "prefill" else
-                     DecodeConnector(transport, a.pd_bootstrap, a.pd_transfer_timeout, api_key=a.api_key))
+    try:
+        connector = pd_connector(a)
+    except RuntimeError as e:  # the transfer engine did not start
+        fail(e)
     try:
         engine = LLMEngine(model, tokenizer, config, kv_connector=connector)
     except ValueError as e:  # settings that can never run (checked when the engine is built)

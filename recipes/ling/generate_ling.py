@@ -5,13 +5,15 @@ latent cache in blocks, the KDA layers' recurrent states in per-request slots).
                             [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
 
 With no --weights, a tiny random checkpoint in the publisher's format is written to weights/ling-tiny (once) and
-used. Each prompt line goes through the tokenizer's chat template as one user message.
+used. Each prompt line goes through the tokenizer's chat template as one user message. A preset of several ranks
+(configs/tiny-cpu-tp2.yaml, tiny-cpu-dp2-ep2.yaml) runs this again under torchrun; rank 0 prints.
 """
 from __future__ import annotations
 
 import sys
 
 from common import backend
+from common import parallel as par
 from common.cli_paths import input_path
 from common.engine import LLM, SamplingParams
 from common.serving.chat_format import Conversation, TemplateChatFormat
@@ -55,14 +57,25 @@ def main(argv=None) -> int:
     inputs = [chat.encode(Conversation([{"role": "user", "content": p}])).text for p in prompts]
     backend.reset_peak_memory()
     outputs = llm.generate(inputs, a.sampling, add_special_tokens=False)  # the template wrote its special tokens
-    s = llm.engine.stats
+    engine = llm.engine
+    s = engine.stats  # per DP rank (TP peers run the same requests): summed tokens over the slowest rank's time
+    ranks = par.all_gather_object((s.prefill_tokens, s.prefill_time, s.decode_tokens, s.decode_time,
+                                   backend.peak_memory_bytes()), engine.dp_group)
+    par.destroy_parallel()
+    if engine.parallel.rank != 0:
+        return 0
     for prompt, out in zip(prompts, outputs):
         print(f"> {prompt}\n{out.text!r}  [{len(out.token_ids)} tokens, {out.finish_reason}]")
+    prefill, prefill_time, decode, decode_time, peak = (list(x) for x in zip(*ranks))
     print(f"requests={len(outputs)} prompt_tokens={sum(len(o.prompt_token_ids) for o in outputs)} "
           f"generated_tokens={sum(len(o.token_ids) for o in outputs)} "
-          f"prefill_tok/s={s.prefill_tokens / max(s.prefill_time, 1e-9):.1f} "
-          f"decode_tok/s={s.decode_tokens / max(s.decode_time, 1e-9):.1f} "
-          f"peak_memory={backend.peak_memory_bytes() / 2**20:.0f}MiB device={backend.device_type()}")
+          f"prefill_tok/s={sum(prefill) / max(max(prefill_time), 1e-9):.1f} "
+          f"decode_tok/s={sum(decode) / max(max(decode_time), 1e-9):.1f} "
+          f"peak_memory={max(peak) / 2**20:.0f}MiB ranks={engine.parallel.world_size} device={backend.device_type()}"
+          + (f" mtp_drafts={s.num_draft_tokens} acceptance={s.acceptance_rate:.2f} "
+             f"mean_accepted_length={s.mean_accepted_length:.2f}" if engine.config.num_speculative_tokens else "")
+          + (f" exe_mode=graph graph_steps={sum(graphs.replays.values())} compile_s={graphs.capture_seconds:.1f}"
+             if (graphs := engine.runner.graphs) is not None else ""))
     return 0
 
 

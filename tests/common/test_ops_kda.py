@@ -118,6 +118,38 @@ def test_recurrent_kda_matches_the_recurrence():
     assert_only_written(before, pool, writes)
 
 
+def test_write_columns_keep_the_state_after_each_of_the_last_tokens():
+    """Speculative decoding: write slots [B, W] take the state after each of a sequence's last W tokens (column i:
+    after token L - W + i; null columns nothing), in both forms: chunk_kda (chunks, then token by token) over packed
+    sequences of several lengths, and recurrent_kda over [B, L] tokens (an MTP verify step, no host read)."""
+    W, lens, reads = 3, [4, 2, 70], [0, 6, 0]
+    writes = [[1, 2, 3], [0, 4, 5], [0, 7, 6]]  # seq 1: a null column before its first token; seq 2 writes 6 in place
+    q, k, v, g, beta = kda_inputs(sum(lens), seed=5)
+    pool = state_pool()
+    before = pool.clone()
+    o = ops.chunk_kda(q, k, v, g, beta, cu(lens), pool, slots(reads), slots(writes), SCALE, chunk_size=16)
+    bounds = cu(lens).tolist()
+    for b, (r, ws) in enumerate(zip(reads, writes)):
+        rows = slice(bounds[b], bounds[b + 1])
+        want_o, _ = naive_kda(q[rows], k[rows], v[rows], g[rows], beta[rows], initial(before, r))
+        close(o[rows], want_o, CARRY_TOL)
+        for i, w in enumerate(ws):
+            n = lens[b] - W + i + 1  # tokens the state in column i has seen
+            if w:
+                close(pool[w], naive_kda(q[rows][:n], k[rows][:n], v[rows][:n], g[rows][:n], beta[rows][:n],
+                                         initial(before, r))[1], CARRY_TOL)
+    assert_only_written(before, pool, [w for ws in writes for w in ws])
+    # the recurrent form over two sequences of L = 3 tokens each equals the chunked one
+    q3, k3, v3, g3, beta3 = (x[:6].reshape(2, 3, *x.shape[1:]) for x in (q, k, v, g, beta))
+    pool2, pool3 = state_pool(), state_pool()
+    o2 = ops.chunk_kda(q[:6], k[:6], v[:6], g[:6], beta[:6], cu([3, 3]), pool2, slots([0, 6]),
+                       slots([[1, 2, 3], [4, 5, 6]]), SCALE)
+    o3 = ops.recurrent_kda(q3, k3, v3, g3, beta3, pool3, slots([0, 6]), slots([[1, 2, 3], [4, 5, 6]]), SCALE)
+    assert o3.shape == (2, 3, H, DV)
+    close(o3.reshape(6, H, DV), o2, CARRY_TOL)
+    close(pool3, pool2, CARRY_TOL)
+
+
 def test_write_slot_zero_is_dropped():
     q, k, v, g, beta = kda_inputs(5, seed=3)
     pool = state_pool()
@@ -328,6 +360,30 @@ def test_causal_conv1d_split_anywhere_equals_one_shot(fresh):
         decoded = [ops.causal_conv1d_update(x[t:t + 1], w, pool, slots([3]), slots([3])) for t in range(split, n)]
         close(torch.cat([first, *decoded]), want, 1e-6)
         assert torch.equal(pool[3], conv_state[2])
+
+
+def test_causal_conv1d_write_columns_keep_the_history_after_each_of_the_last_tokens():
+    """Write slots [B, W]: column i gets the last KW-1 inputs up to token L - W + i (history rows before the first
+    new token), packed (causal_conv1d) and over [B, L] tokens (causal_conv1d_update), equal to the explicit sum."""
+    W, L = 4, 3
+    x, w, conv_state = conv_inputs(2 * L, seed=4)
+    reads, writes = [0, 1], [[2, 3, 4, 5], [6, 7, 0, 1]]  # seq 1 rewrites its own slot 1 last
+    before = conv_state.clone()
+    y = ops.causal_conv1d(x, w, cu([L, L]), conv_state, slots(reads), slots(writes))
+    packed = conv_state.clone()
+    conv_state.copy_(before)
+    y2 = ops.causal_conv1d_update(x.view(2, L, C), w, conv_state, slots(reads), slots(writes))
+    assert torch.equal(conv_state, packed)
+    close(y2.reshape(2 * L, C), y)
+    for b, (r, ws) in enumerate(zip(reads, writes)):
+        rows = x[b * L:(b + 1) * L]
+        for i, slot in enumerate(ws):
+            n = L - W + i + 1  # new tokens the history in column i has seen (0: none, -1: not one of the history's)
+            if slot and n >= 0:
+                want = naive_conv(initial(before, r), rows[:n], w, "silu")[1]
+                assert torch.equal(conv_state[slot], want.float())
+    close(y, torch.cat([naive_conv(initial(before, r), x[b * L:(b + 1) * L], w, "silu")[0]
+                        for b, r in enumerate(reads)]))
 
 
 def test_causal_conv1d_write_slot_zero_is_dropped():

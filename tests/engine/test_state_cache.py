@@ -10,7 +10,7 @@ from common.engine import LLM, EngineConfig, SamplingParams
 from common.engine.model_runner import blocks_that_fit, prefill_logits
 from common.kv_cache import NULL_BLOCK, CacheGroupSpec, CacheTensorSpec, KVCacheManager, check_cache_specs
 from contract_toy_model import GROUP, greedy_full_recompute
-from state_toy_model import H, STATE, ToyStateLM
+from state_toy_model import STATE, ToyStateLM
 from test_contract_model import prompts, tokenizer
 
 BS = 4
@@ -166,11 +166,48 @@ def test_a_failed_step_frees_the_slots_of_its_requests():
     assert llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids == greedy_full_recompute(model, p, 8)
 
 
-def test_engine_refuses_what_state_groups_cannot_do_yet():
-    with pytest.raises(ValueError, match="graph mode"):
-        LLM(ToyStateLM(), tokenizer(), block_size=BS, max_num_seqs=2, kv_cache_memory_bytes=1 << 20,
-            exe_mode="graph")
-    kv = manager()
-    with pytest.raises(ValueError, match="PD moves paged blocks only"):
-        kv.allocate_external("a", 8)
-    assert H in {s.name for s in ToyStateLM().cache_tensor_specs()}
+def test_a_verify_step_keeps_the_state_of_the_end_it_commits():
+    """Speculative decoding: a step verifying 2 drafts writes the states after its 1, 2 and 3 tokens (the last in
+    place); the end committed keeps its slot, the other two go back; a prefill chunk still writes one (the last
+    column), and a step on a checkpoint writes only fresh slots."""
+    kv = KVCacheManager([CacheGroupSpec(GROUP, BS), CacheGroupSpec(STATE, BS, kind="state")], {GROUP: 32, STATE: 8},
+                        True, state_writes=3)
+    ids = list(range(2, 30))
+    assert kv.allocate("a", ids, 0, 6)
+    read, *writes = kv.block_table("a")[STATE]
+    assert read == NULL_BLOCK and writes[:2] == [NULL_BLOCK] * 2 and writes[2] != NULL_BLOCK
+    kv.cache_blocks("a", ids, 6)
+    slot = writes[2]
+    for committed, keep in ((7, 0), (8, 1), (9, 2)):  # 0, 1 or 2 drafts accepted (step of 3 tokens from 6)
+        assert kv.allocate("a", ids, 6, 3, ends=range(7, 10))
+        read, *writes = kv.block_table("a")[STATE]
+        assert read == slot and writes[2] == slot and len({*writes}) == 3  # in place for all accepted
+        assert kv.num_free_blocks(STATE) == 8 - 1 - 3
+        kv.cache_blocks("a", ids, committed)
+        assert kv.block_table("a")[STATE] == [writes[keep], NULL_BLOCK, NULL_BLOCK, NULL_BLOCK]
+        assert kv.num_free_blocks(STATE) == 8 - 1 - 1
+        kv.free("a")
+        assert kv.allocate("a", ids, 0, 6)
+        kv.cache_blocks("a", ids, 6)
+        slot = kv.block_table("a")[STATE][0]
+    assert kv.allocate("a", ids, 6, 3, ends=range(7, 10))
+    kv.cache_blocks("a", ids, 8)  # the state after 8 tokens: a checkpoint (block boundary)
+    checkpoint = kv.block_table("a")[STATE][0]
+    assert kv.allocate("a", ids, 8, 3, ends=range(9, 12))
+    read, *writes = kv.block_table("a")[STATE]
+    assert read == checkpoint and checkpoint not in writes and NULL_BLOCK not in writes  # never written again
+    kv.free("a")
+    assert kv.all_blocks_free()
+
+
+def test_a_request_received_from_a_prefill_instance_gets_a_state_slot():
+    """PD: allocate_external holds a slot per state group beside the prompt's blocks (the state the prefill
+    instance sends lands there), all or nothing, freed with the request."""
+    kv = manager(slots=2)
+    assert kv.allocate_external("a", 9)
+    slot, *writes = kv.block_table("a")[STATE]
+    assert slot != NULL_BLOCK and writes == [NULL_BLOCK] and len(kv.block_table("a")[GROUP]) == 3
+    assert not kv.allocate_external("b", 4)  # the one other usable slot is slot 0 of the pool of 2: none left
+    assert kv.num_free_blocks(GROUP) == 31 - 3
+    kv.free("a")
+    assert kv.all_blocks_free()

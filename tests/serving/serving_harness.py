@@ -3,13 +3,16 @@ import contextlib
 import copy
 import email.message
 import json
+import random
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 
+import openai
 import uvicorn
+from concurrent.futures import ThreadPoolExecutor
 from torch import nn
 
 from common.engine import EngineConfig, LLMEngine
@@ -71,6 +74,33 @@ def wait_until(condition, timeout=10.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def abandon_requests(url: str, prompts: list[list[int]], seed: int = 0, max_timeout: float = 1.5) -> None:
+    """Send each prompt (max_tokens 300, 8 at a time) and give it up at a random point: half of them streamed and
+    closed after 0..5 chunks, the other half abandoned by a client timeout of 0.05..max_timeout s (mid-prefill or
+    mid-decode)."""
+    rng = random.Random(seed)
+    plans = [(ids, rng.random() < 0.5, rng.uniform(0.05, max_timeout), rng.randrange(6)) for ids in prompts]
+
+    def one(plan):
+        ids, stream, timeout, cut = plan
+        c = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=timeout)
+        try:
+            if stream:
+                s = c.completions.create(model=MODEL, prompt=ids, max_tokens=300, stream=True,
+                                         extra_body={"ignore_eos": True})
+                for n, _ in enumerate(s):
+                    if n == cut:
+                        break
+                s.close()
+            else:
+                c.completions.create(model=MODEL, prompt=ids, max_tokens=300, extra_body={"ignore_eos": True})
+        except (openai.APITimeoutError, openai.APIConnectionError):
+            pass
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, plans))
 
 
 def http(method: str, url: str, body=None, headers=None, timeout=30) -> tuple[int, "email.message.Message", bytes]:

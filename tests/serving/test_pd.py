@@ -15,7 +15,8 @@ from common.kv_transfer import DecodeConnector, MooncakeTransport, PrefillConnec
 from common.serving.router import build_router
 from weights_deepseek_v4 import load_model
 
-from serving_harness import API_KEY, MODEL, free_port, http, own_model, running_server, serve_app, wait_until
+from serving_harness import (API_KEY, MODEL, abandon_requests, free_port, http, own_model, running_server, serve_app,
+                             wait_until)
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=24, block_size=16)
 P_ENGINE = {**ENGINE, "max_num_batched_tokens": 8}  # P prefills in chunks of 8 (and slowly enough to be interrupted)
@@ -189,28 +190,7 @@ def test_disconnects_mid_stream_and_mid_prefill_free_both_sides(pd):
 
 def test_50_requests_aborted_at_random_points_leave_every_pool_full(pd, colocated):
     rng = random.Random(0)
-    plans = [(rng.choice([3, 30, 90, 200]), rng.random() < 0.5, rng.uniform(0.05, 1.5), rng.randrange(6))
-             for _ in range(50)]
-
-    def one(plan):
-        length, stream, timeout, cut = plan
-        c = client(pd, timeout=timeout)
-        try:
-            if stream:
-                s = c.completions.create(model=MODEL, prompt=prompts([length])[0], max_tokens=300, stream=True,
-                                         extra_body={"ignore_eos": True})
-                for n, _ in enumerate(s):
-                    if n == cut:
-                        break
-                s.close()
-            else:
-                c.completions.create(model=MODEL, prompt=prompts([length])[0], max_tokens=300,
-                                     extra_body={"ignore_eos": True})
-        except (openai.APITimeoutError, openai.APIConnectionError):
-            pass
-
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(one, plans))
+    abandon_requests(pd["url"], prompts([rng.choice([3, 30, 90, 200]) for _ in range(50)]))
     assert wait_until(lambda: pools_full(pd["p"], pd["d"]), timeout=60), (pd["p"].kv_cache.usage(),
                                                                           pd["d"].kv_cache.usage())
     ids = prompts([45])[0]

@@ -95,7 +95,7 @@ def test_cache_tensors_and_bindings(tiny):
     with pytest.raises(ValueError, match="layers.0.attention.conv_state"):
         model.bind_caches(tensors, {"layers.0.attention.conv_state": MLA_GROUP})
     model.bind_caches(tensors, {"layers.2.attention.kv_cache": MLA_GROUP})  # its own group: fine
-    assert model.engine_contract().mtp is None and model.engine_contract().eos_token_ids == (1,)
+    assert model.engine_contract().mtp is model and model.engine_contract().eos_token_ids == (1,)  # MTP loaded
 
 
 def _clamped(gate, up, limit):
@@ -166,11 +166,11 @@ def test_mtp_layer_loads_only_when_asked(tiny):
         hidden = model(batch)
         torch.testing.assert_close(model.compute_logits(hidden), prefill_logits(plain, prompts))
         next_ids = torch.cat([torch.tensor(p[1:] + [2]) for p in prompts])
-        draft = model.draft_logits(hidden, next_ids, batch)  # [T, V]
+        draft = model.mtp_logits(hidden, next_ids, batch)  # [T, V]
         assert draft.shape == (29, model.args.vocab_size) and draft.isfinite().all()
         short = ForwardBatch.prefill([prompts[1][:12]], [s.name for s in specs], 16, state_groups=(KDA_GROUP,))[0]
         bind_new_caches(model, dict.fromkeys([s.name for s in specs], n), 16)
-        draft_short = model.draft_logits(model(short), next_ids[9:21], short)  # [12, V]
+        draft_short = model.mtp_logits(model(short), next_ids[9:21], short)  # [12, V]
         torch.testing.assert_close(draft_short, draft[9:21], atol=1e-4, rtol=1e-4)
 
 

@@ -45,11 +45,31 @@ def test_default_run_generates_for_every_prompt():
     assert r.stdout.count(" tokens, length]") + r.stdout.count(" tokens, stop]") == len(prompts)
 
 
+def test_mtp_and_graph_mode_flags_print_the_plain_completions(tmp_path):
+    """`--speculative-tokens 2 --exe-mode graph` (the MTP layer loaded, its drafts verified in compiled graphs of one
+    bucket) prints the completions of the plain eager run, fp32, and says how it ran."""
+    preset = tmp_path / "graph.yaml"
+    preset.write_text((RECIPE / "configs" / "tiny-cpu.yaml").read_text().replace(
+        "  max_num_seqs: 16\n", "  max_num_seqs: 4\n  graph_capture_sizes: [4]\n"))  # test_speculative_ling's
+    #   graph (bucket 4, k = 2, the tiny config): inductor's on-disk cache compiles it once for both
+    common = ["bash", str(RUN_SH), "--config", str(preset), "--dtype", "fp32", "--max-tokens", "8"]
+    plain = subprocess.run(common, capture_output=True, text=True, timeout=300)
+    fast = subprocess.run([*common, "--speculative-tokens", "2", "--exe-mode", "graph"], capture_output=True,
+                          text=True, timeout=600)
+    assert plain.returncode == 0 and fast.returncode == 0, (plain.stderr, fast.stderr)
+    completions = lambda out: [line for line in out.splitlines() if line.startswith(("> ", "'", '"'))]  # noqa: E731
+    assert completions(fast.stdout) == completions(plain.stdout) and len(completions(plain.stdout)) > 2
+    assert "mtp_drafts=" in fast.stdout and "exe_mode=graph graph_steps=" in fast.stdout
+
+
 @pytest.mark.parametrize("args, needle", [
     (("--weights", "/no/such/dir"), "/no/such/dir"),
     (("--config", "configs/atlas-a3-tp8.yaml"), "world_size 8"),
     (("--max-tokens", "0"), "max_tokens"),
     (("--dtype", "fp8"), "--dtype"),
+    (("--speculative-tokens", "9"), "speculative tokens"),
+    (("--exe-mode", "fast"), "--exe-mode"),
+    (("--serve", "--pd-role", "decode"), "--pd-bootstrap"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, needle):
     r = subprocess.run(["bash", str(RUN_SH), *args], capture_output=True, text=True, timeout=120)

@@ -28,7 +28,8 @@ class NpuCookbookDeepseekV3ForCausalLM(RecipeForCausalLM):
 
     family = "DeepSeek-V3"
 
-    def build_model(self, config: dict) -> DeepseekV3:
+    @classmethod
+    def build_model(cls, config: dict) -> DeepseekV3:
         return DeepseekV3(ModelArgs.from_config(config))
 
     def cache_specs(self, tensors: list[CacheTensorSpec], block_size: int, dtype: torch.dtype):

@@ -29,7 +29,8 @@ class NpuCookbookDeepseekV4ForCausalLM(RecipeForCausalLM):
 
     family = "DeepSeek-V4"
 
-    def build_model(self, config: dict) -> DeepseekV4:
+    @classmethod
+    def build_model(cls, config: dict) -> DeepseekV4:
         return DeepseekV4(ModelArgs.from_config(config))
 
     def table_of(self, tensor: CacheTensorSpec) -> str:
