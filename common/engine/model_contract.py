@@ -26,7 +26,7 @@ The model is an `nn.Module` (on CPU the engine packs its bf16 nn.Linear weights 
   then on writes and reads its cache there only. `tables` maps a tensor name to the ForwardBatch block table /
   slot mapping key it is read through (default: its group); tensors read through different tables may have
   different rows per block (each its own shape[1]). A model that cannot honour a mapping other than each tensor's
-  group raises ValueError for it (DeepSeek-V3 and the toy model do; DeepSeek-V4 honours any).
+  group raises ValueError for it (DeepSeek-V3 and the toy model do; DeepSeek-V4 and Ling honour any).
 - `__call__(batch)`: one packed step (common.engine.ForwardBatch: the new tokens of B sequences, token-major, T in
   all) -> final hidden states [T, D]. Through common.ops, write each new token's row at `batch.slot_mapping[key]`
   [T] (of a one-row-per-token tensor viewed as [num_blocks * block_size, 1, width]) and read the past through

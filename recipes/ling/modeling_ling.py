@@ -235,6 +235,7 @@ class MLAttention(nn.Module):
             par.shard(rows.weight, 0, parallel, "attn_tp")  # this rank's heads
         par.shard(self.dense.weight, 1, parallel, "attn_tp")
         self.kv_cache = None  # [num_blocks, block_size, 1, R + Dr], bound by bind_caches
+        self.table = MLA_GROUP  # the ForwardBatch table (and slot mapping) it is read through, set by bind_caches
         self.mode = "auto"
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
@@ -248,18 +249,18 @@ class MLAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)  # [T, R], [T, Dr]
         k_pe = ops.rotary_emb(k_pe.unsqueeze(1), cos, sin, interleaved=True)  # [T, 1, Dr]
         row = torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_pe], dim=-1)  # [T, 1, R + Dr]
-        ops.reshape_and_cache(row, None, self.kv_cache, None, batch.slot_mapping[MLA_GROUP])
+        ops.reshape_and_cache(row, None, self.kv_cache, None, batch.slot_mapping[self.table])
         absorbed = self.mode == "absorbed" or (self.mode == "auto" and batch.max_seqlen_q <= ABSORB_MAX_QUERIES)
         if absorbed:
             w_uk, w_uv = self.kv_b_proj.halves()  # [H, nope, R], [H, v, R]
             q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
             qa = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, R + Dr]: one KV head, the cached row
-            o = ops.paged_attention(qa, self.kv_cache, None, batch.block_tables[MLA_GROUP], batch.seq_lens,
+            o = ops.paged_attention(qa, self.kv_cache, None, batch.block_tables[self.table], batch.seq_lens,
                                     batch.cu_seqlens_q, self.scale, max_seqlen_q=batch.max_seqlen_q,
                                     max_seqlen_k=batch.max_seqlen_k)  # [T, H, R + Dr]
             o = torch.bmm(o[..., : self.rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         else:
-            rows, cu_k = gather_rows(self.kv_cache, batch.block_tables[MLA_GROUP], batch.seq_lens)  # [S, 1, R+Dr]
+            rows, cu_k = gather_rows(self.kv_cache, batch.block_tables[self.table], batch.seq_lens)  # [S, 1, R+Dr]
             k_nope, v = self.kv_b_proj.expand(rows[:, 0, : self.rank])  # [S, H, nope], [S, H, v]
             k = torch.cat([k_nope, rows[:, :, self.rank :].expand(-1, H, -1)], dim=-1)  # [S, H, nope + Dr]
             qf = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, nope + Dr]
@@ -305,6 +306,7 @@ class KimiDeltaAttention(nn.Module):
         par.shard(self.o_proj.weight, 1, parallel, "attn_tp")
         self.conv_state = None  # [slots, K-1, 1, 3C], bound by bind_caches
         self.recurrent_state = None  # [slots, H, 1, d * d] fp32
+        self.table = KDA_GROUP  # the ForwardBatch state table both are read through, set by bind_caches
 
     def gate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> g [T, H, d] fp32, the log-space decay lower_bound * sigmoid(exp(A_log) * (f + dt_bias))."""
@@ -317,7 +319,7 @@ class KimiDeltaAttention(nn.Module):
         T, H, d = x.shape[0], self.heads, self.head_dim
         if T == 0:
             return x
-        table = batch.block_tables[KDA_GROUP]  # [B, 1 + W]
+        table = batch.block_tables[self.table]  # [B, 1 + W]
         read, write = table[:, 0], table[:, 1:]  # [B], [B, W]: the state after each of the last W tokens
         conv_state = self.conv_state.squeeze(2)  # [slots, K-1, 3C], a view: the op writes through it
         state = self.recurrent_state.view(-1, H, d, d)  # [slots, H, dk, dv] fp32
@@ -459,17 +461,28 @@ class LingForCausalLM(nn.Module):
         return specs
 
     def bind_caches(self, tensors: dict[str, torch.Tensor], tables: dict[str, str] | None = None) -> None:
-        """Use these cache tensors (by CacheTensorSpec name, no copy). Each is read through its own group's table:
-        `tables` may only name that (ValueError for any other)."""
+        """Use these cache tensors (by CacheTensorSpec name, no copy), each read through the ForwardBatch table
+        `tables` names for it (default: its group), so that each layer may have a block table of its own (vLLM's
+        hybrid allocator gives groups of layers their own tables). A KDA layer's conv history and recurrent state
+        share one (state) table: ValueError for a layer whose two tensors name different ones, or for a name that
+        is no cache tensor."""
         specs = self.cache_tensor_specs()
         check_cache_tensors(specs, tensors)
-        group = {s.name: s.group for s in specs}
-        if other := sorted(name for name, table in (tables or {}).items() if table != group.get(name)):
-            raise ValueError(f"Ling reads each cache tensor through its own group's table, not the tables asked for "
-                             f"{other}")
+        tables = tables or {}
+        if unknown := sorted(tables.keys() - {s.name for s in specs}):
+            raise ValueError(f"tables for tensors the model does not have: {unknown}")
+        keys: dict[str, str] = {}  # module path -> its table
+        for s in specs:
+            path = s.name.rsplit(".", 1)[0]
+            key = tables.get(s.name, s.group)
+            if keys.setdefault(path, key) != key:
+                raise ValueError(f"{s.name} is read through {key!r}, the other state tensor of {path} through "
+                                 f"{keys[path]!r}: a KDA layer's conv history and recurrent state share one table")
         for s in specs:
             path, attr = s.name.rsplit(".", 1)
-            setattr(self.get_submodule(path), attr, tensors[s.name])
+            module = self.get_submodule(path)
+            setattr(module, attr, tensors[s.name])
+            module.table = keys[path]
 
     def embed_tokens(self, input_ids: torch.Tensor, uniform: bool = False) -> torch.Tensor:
         """[T] -> [T, D] (the vocabulary split over embed_tp)."""

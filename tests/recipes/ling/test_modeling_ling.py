@@ -92,10 +92,37 @@ def test_cache_tensors_and_bindings(tiny):
     assert model.layers[0].attention.conv_state.dtype == torch.bfloat16
     assert [t.shape for t in groups[MLA_GROUP]] == [(4, 16, 1, 48)] * 3
     tensors = {n: getattr(model.get_submodule(n.rsplit(".", 1)[0]), n.rsplit(".", 1)[1]) for n in specs}
-    with pytest.raises(ValueError, match="layers.0.attention.conv_state"):
-        model.bind_caches(tensors, {"layers.0.attention.conv_state": MLA_GROUP})
+    with pytest.raises(ValueError, match="layers.0.attention.*share one table"):  # one layer's two states apart
+        model.bind_caches(tensors, {"layers.0.attention.conv_state": "other"})
+    with pytest.raises(ValueError, match="layers.9.attention.kv_cache"):
+        model.bind_caches(tensors, {"layers.9.attention.kv_cache": MLA_GROUP})
     model.bind_caches(tensors, {"layers.2.attention.kv_cache": MLA_GROUP})  # its own group: fine
     assert model.engine_contract().mtp is model and model.engine_contract().eos_token_ids == (1,)  # MTP loaded
+
+
+def test_each_layer_reads_the_table_it_is_bound_to(tiny):
+    """bind_caches(tables=...): a KDA layer and an MLA layer read through tables of their own (vLLM's hybrid
+    allocator gives groups of layers their own block tables), holding their rows in other slots and blocks than the
+    rest: the logits equal those of the default binding."""
+    path, _, _ = tiny
+    model = load_model(path, dtype=torch.float32)
+    prompts = _prompts(model.args.vocab_size, (5, 21))
+    want = prefill_logits(model, prompts)
+    specs = model.cache_tensor_specs()
+    tensors = {s.name: torch.zeros(8, 16 if s.rows is None else s.rows, 1, s.width, dtype=s.dtype or torch.float32)
+               for s in specs}
+    own = {"layers.0.attention.conv_state": "kda_0", "layers.0.attention.recurrent_state": "kda_0",
+           "layers.2.attention.kv_cache": "mla_2"}
+    model.bind_caches(tensors, own)
+    tables = [{MLA_GROUP: [1], KDA_GROUP: [0, 1], "kda_0": [0, 5], "mla_2": [6]},
+              {MLA_GROUP: [2, 3], KDA_GROUP: [0, 2], "kda_0": [0, 4], "mla_2": [3, 7]}]
+    batch = ForwardBatch.build(prompts, [0, 0], tables, 16, state_groups=(KDA_GROUP, "kda_0"))
+    with torch.no_grad():
+        got = model.compute_logits(model(batch))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert tensors["layers.0.attention.recurrent_state"][5].abs().sum() > 0  # written where its own table says
+    assert tensors["layers.0.attention.recurrent_state"][1].abs().sum() == 0
+    assert tensors["layers.2.attention.kv_cache"][[6, 3, 7]].abs().sum() > 0
 
 
 def _clamped(gate, up, limit):
