@@ -84,9 +84,9 @@ def prefill_logits(model: CausalLM, prompts: list[list[int]], block_size: int = 
     benches; an engine on the same model refuses to run afterwards, its caches no longer bound)."""
     contract = model.engine_contract()
     specs = model.cache_specs(block_size)
-    batch, num_blocks = ForwardBatch.prefill(prompts, [g.name for g in specs], block_size, contract.device,
-                                             state_groups=tuple(g.name for g in specs if g.is_state))
     groups = [g.name for g in specs]
+    batch, num_blocks = ForwardBatch.prefill(prompts, groups, block_size, contract.device,
+                                             state_groups=tuple(g.name for g in specs if g.is_state))
     bind_new_caches(model, dict.fromkeys(groups, num_blocks), block_size, contract=contract)
     return model.compute_logits(model(batch))
 
