@@ -20,7 +20,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0  # MTP drafts per decode step (the model's `mtp` blocks); 0: off
-    exe_mode: str = "eager"  # "graph": decode steps run as a graph captured per batch size (graph_runner.py)
+    exe_mode: str = "eager"  # "graph": decode steps run as a graph captured per batch size (graph_runner.py);
+    #   "auto": graph mode's buckets where, timed at start-up, a graph beats the eager step (eager where no graph runs)
     graph_capture_sizes: tuple[int, ...] | None = None  # decode batch buckets; None: 1, 2, 4, .. and max_num_seqs
     # the encoder stage (images): rows a step may encode, and rows the encoder cache holds (vLLM's names; None: both
     # max_num_batched_tokens). An image must fit both: a longer one is refused when it is submitted.
@@ -61,10 +62,10 @@ class EngineConfig:
                              "max_model_len, or enable chunked prefill")
 
     def resolve(self, model_max_len: int) -> "EngineConfig":
-        """This config with max_model_len set (the configured value capped at the model's) and, in graph mode, the
-        capture sizes (checked again)."""
+        """This config with max_model_len set (the configured value capped at the model's) and, in graph or auto
+        mode, the capture sizes (checked again)."""
         sizes = self.graph_capture_sizes
-        if self.exe_mode == "graph" and sizes is None:
+        if self.exe_mode in ("graph", "auto") and sizes is None:
             sizes = tuple(n for n in (1 << i for i in range(self.max_num_seqs.bit_length())) if n < self.max_num_seqs)
             sizes += (self.max_num_seqs,)
         encoder_tokens = self.max_num_encoder_input_tokens or self.max_num_batched_tokens
@@ -79,7 +80,7 @@ class EngineConfig:
         return cls(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items() if k not in names}
 
 
-EXE_MODES = ("eager", "graph")
+EXE_MODES = ("eager", "graph", "auto")
 
 
 def _is_int(x) -> bool:

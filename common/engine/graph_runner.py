@@ -11,9 +11,12 @@ step (prefill, mixed prefill + decode, an MTP step whose drafts were cut short) 
 CPU: each bucket is `torch.compile(fullgraph=True, dynamic=False)` (inductor), compiled at start-up, one bucket
 after the other under a progress bar, by a step over padding alone (padding writes only to the null block).
 The GEMMs stay the oneDNN-packed ones of common/cpu_gemm.py, as opaque custom ops, and so does the MoE's
-expert loop (its host split is no device sync on CPU), and MoE offload's host experts (common/offload: a submit
-op and a sync op, which run the host backend at every replay; a CUDA capture refuses them). Inductor keeps what it compiled on disk (its FX graph
-cache under TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_<user>), so a second start traces again but
+expert loop (its host split is no device sync on CPU), MoE offload's host experts (common/offload: a submit
+op and a sync op, which run the host backend at every replay; a CUDA capture refuses them), and paged decode
+attention (ops.paged_attention's decode rows: inside the op the step's longest kv length is read on the host, so
+a graph step gathers and scores the keys its sequences hold, as eager does, not max_model_len padded ones; the
+padded width stays where a model pads itself, e.g. DeepSeek-V4's compressed entries and V3.2's indexer, at
+max_seqlen_k / ratio). Inductor keeps what it compiled on disk (its FX graph cache under TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_<user>), so a second start traces again but
 compiles nothing. That cache keys a graph by its code, not by the vector width inductor wrote it for, and the same
 folder may serve another CPU kind (an AVX-512 graph rebuilt for AVX2 indexes out of bounds): the compile pins
 `cpp.simdlen` to the width inductor picks here (`inductor_options`), which puts it in the key. At run time a step
@@ -25,6 +28,10 @@ common.ops.reference.moe.static_grouped_matmul, which reads no group size on the
 torch.cuda.CUDAGraph captured per bucket over fixed input buffers (`ForwardBatch.copy_` fills them each step;
 the largest bucket first, the others in its memory pool). Not run in this repository's CI (no GPU there).
 NPU: refused (the fused attention takes its sequence lengths as host lists, which a captured graph would freeze).
+
+exe_mode auto: where graph mode runs (CPU, CUDA), the buckets are compiled as above, then each is timed against
+the eager forward of the same sequences at start-up (`calibrate`), and only the buckets whose graph is faster run
+as graphs; elsewhere (NPU) auto is eager.
 
 Over several ranks (TP / DP / EP, gloo on CPU) the collectives are traced into the graph (torch's functional
 collectives), and every step the data-parallel ranks agree on one bucket or on eager (`step_bucket`); a graph
@@ -38,7 +45,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from common import parallel as par
+from common import backend, parallel as par
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
@@ -57,13 +64,19 @@ def inductor_options() -> dict:
     return {"cpp.simdlen": isa.bit_width()} if isa else {}
 
 
+def graph_capable(device: torch.device) -> bool:
+    """Whether exe_mode graph runs on this device (CPU and CUDA; see the module docstring)."""
+    return device.type in ("cpu", "cuda")
+
+
 def decode_step(model, mtp, batch: ForwardBatch):
     """What a bucket runs: the logits of every row [T, V] (T = bucket * query_len) and, where the MTP drafts need
     them (mtp: the model's MTPDraftModel, else None), the residual streams [T, n, D]."""
+    uniform = batch.uniform_across_ranks
     if mtp is not None:
         streams = mtp.residual_streams(batch)  # [T, n, D]
-        return model.compute_logits(mtp.final_hidden(streams), uniform=True), streams
-    return model.compute_logits(model(batch), uniform=True), None
+        return model.compute_logits(mtp.final_hidden(streams), uniform=uniform), streams
+    return model.compute_logits(model(batch), uniform=uniform), None
 
 
 class GraphRunner:
@@ -72,7 +85,7 @@ class GraphRunner:
         """groups: the model's cache groups (the padding sequences get an empty table in each, the null slots in a
         state group's); keep_streams: the steps return the residual streams too (contract.mtp's, for the MTP
         drafts); state_groups: those of kind "state" (tables of a read and 1 + num_speculative_tokens write slots)."""
-        if device.type not in ("cpu", "cuda"):
+        if not graph_capable(device):
             raise ValueError(
                 f"exe_mode graph runs on CPU (torch.compile) and CUDA (torch.compile, then a CUDA graph per bucket) in "
                 f"this version, not on {device.type}: an NPU graph needs the attention's host sequence lengths "
@@ -88,7 +101,11 @@ class GraphRunner:
         self.device = device
         self.replays = dict.fromkeys(self.sizes, 0)  # bucket -> steps it ran
         self.capture_seconds: float | None = None
+        self.calibration: dict[int, tuple[float, float]] = {}  # exe_mode auto: bucket -> (graph, eager) seconds
+        # every rank of the model (its layout is the process group's world): they agree on the buckets kept
+        self.world = torch.distributed.group.WORLD if parallel is not None and parallel.world_size > 1 else None
         mtp = contract.mtp if keep_streams else None
+        self._mtp = mtp
         self._compiled = torch.compile(lambda batch: decode_step(model, mtp, batch),
                                        fullgraph=True, dynamic=False, options=inductor_options())
         self._model = model
@@ -96,6 +113,11 @@ class GraphRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # CUDA: bucket -> its captured graph
         self._outputs: dict[int, tuple] = {}  # CUDA: bucket -> what its graph writes (logits, streams or None)
         self._pool = None  # CUDA: the memory pool the graphs share
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The buckets that run as graphs: every capture size, less those `calibrate` dropped."""
+        return tuple(n for n in self.sizes if n in self._inputs)
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest capture size that holds num_seqs sequences, or None."""
@@ -107,15 +129,20 @@ class GraphRunner:
         dispatch, vocabulary-parallel gathers) meet only if all run graphs of one bucket, or all run eager; a rank
         with nothing to run then forwards padding alone. Attention-TP peers run the same requests alike."""
         refuse, most = par.all_reduce_max([int(not fits), num_seqs], self.dp_group)
-        return None if refuse or not most else self.bucket(most)
+        bucket = None if refuse or not most else self.bucket(most)
+        return bucket if bucket in self._inputs else None  # a bucket `calibrate` dropped runs eager
 
     def fits(self, num_new_tokens: list[int]) -> bool:
         """Whether a step of sequences computing these many tokens each runs as a graph: every one query_len."""
         return self.bucket(len(num_new_tokens)) is not None and all(n == self.query_len for n in num_new_tokens)
 
-    def padding(self, n: int) -> ForwardBatch:
-        """A step of padding alone, n sequences (start-up compiles, and a data-parallel rank with nothing to run)."""
+    def padding(self, n: int, padded: bool = True) -> ForwardBatch:
+        """A step of padding alone, n sequences (start-up compiles, and a data-parallel rank with nothing to run);
+        padded=False: the same sequences as an eager step builds them (no bucket shapes)."""
         tables = {g: [0] * (1 + self.query_len) if g in self.state_groups else [] for g in self.groups}
+        if not padded:
+            return ForwardBatch.build([[0] * self.query_len] * n, [0] * n, [tables] * n, self.block_size,
+                                      self.device, state_groups=self.state_groups)
         return self.build([[0] * self.query_len] * n, [0] * n, [tables] * n)
 
     def build(self, new_tokens: list[list[int]], num_computed: list[int],
@@ -141,6 +168,35 @@ class GraphRunner:
                 if cuda:
                     self._capture_cuda(n)
         self.capture_seconds = time.perf_counter() - start
+
+    @torch.inference_mode()
+    def calibrate(self, repeats: int = 3) -> tuple[int, ...]:
+        """exe_mode auto, after `capture`: time each bucket's graph against the eager forward of the same sequences
+        (padding: the weights, dispatch and fused ops of a decode step; attention reads no padded keys on CPU
+        either way), the best of `repeats` alternating runs each, and keep the buckets where the graph is faster;
+        a dropped bucket's steps run eager. Every rank keeps a bucket only if it is faster on all of them (their
+        steps' collectives meet only in the same mode). Returns the buckets kept (none: eager is faster at every
+        size)."""
+        def seconds(fn) -> float:
+            backend.synchronize()
+            start = time.perf_counter()
+            fn()
+            backend.synchronize()
+            return time.perf_counter() - start
+
+        slower = []
+        for n in self.sizes:
+            padded, plain = self._inputs[n], self.padding(n, padded=False)
+            runs = [(seconds(lambda: self.run(padded)), seconds(lambda: decode_step(self._model, self._mtp, plain)))
+                    for _ in range(repeats)]
+            self.calibration[n] = (min(g for g, _ in runs), min(e for _, e in runs))
+            slower.append(int(self.calibration[n][0] >= self.calibration[n][1]))
+        for n, drop in zip(self.sizes, par.all_reduce_max(slower, self.world)):
+            if drop:
+                self._inputs.pop(n)
+                self._graphs.pop(n, None)
+        self.replays = dict.fromkeys(self.sizes, 0)  # the calibration's runs are not steps
+        return self.buckets
 
     def _capture_cuda(self, n: int) -> None:
         self._compiled(self._inputs[n])  # a second warm-up: what the first call allocated lazily is there now

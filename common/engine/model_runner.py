@@ -12,7 +12,7 @@ from common.kv_cache import allocate_cache_tensors, cache_bytes_per_block, check
 from .config import EngineConfig
 from .encoder_cache import EncoderCache, gather_embeddings
 from .forward_batch import ForwardBatch
-from .graph_runner import GraphRunner
+from .graph_runner import GraphRunner, graph_capable
 from .model_contract import CausalLM, ModelContract
 from .multimodal import MultiModalInput
 from .scheduler import ScheduledRequest
@@ -112,11 +112,13 @@ class ModelRunner:
         self.num_blocks = dict(num_blocks)
         # the cache tensors, by group in spec order: this runner owns them (PD's KV transfer registers them)
         self.cache_tensors = bind_new_caches(model, self.num_blocks, config.block_size, self, contract)
-        self.graphs = None  # exe_mode graph: the decode steps' compiled buckets
-        if config.exe_mode == "graph":
+        self.graphs = None  # exe_mode graph (auto: where it runs here): the decode steps' compiled buckets
+        if config.exe_mode == "graph" or (config.exe_mode == "auto" and graph_capable(self.device)):
             self.graphs = GraphRunner(model, contract, config, [s.name for s in self.specs], self.device,
                                       keep_streams, self.state_groups)
             self.graphs.capture()
+            if config.exe_mode == "auto":
+                self.graphs.calibrate()  # the buckets whose graph is slower than eager here run eager
 
     def check_caches(self) -> None:
         """RuntimeError when the model's caches are no longer the ones this runner allocated: another engine on the

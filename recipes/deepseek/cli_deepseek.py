@@ -39,7 +39,8 @@ def add_model_args(p: ArgumentParser) -> None:
     p.add_argument("--speculative-tokens", type=int, metavar="K", help="MTP speculative decoding with K drafts a "
                    "step (overrides the preset's speculative.num_speculative_tokens; 0: off)")
     p.add_argument("--exe-mode", choices=EXE_MODES, help="graph: decode steps as graphs compiled per batch size at "
-                   "start-up (overrides the preset's exe_mode; default eager)")
+                   "start-up; auto: graph where, timed at start-up, a bucket's graph beats eager (overrides the "
+                   "preset's exe_mode; default eager)")
     g = p.add_argument_group("MoE offload (overrides the preset's moe_offload)")
     g.add_argument("--offload-experts", type=int, metavar="N", help="N resident experts per MoE layer on the "
                    "device, the others computed on the host CPU in MXFP4 (one process)")
@@ -75,9 +76,9 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
     a.offload = moe_offload(p, a)
     if a.offload is not None and not a.family.supports_offload:
         p.error(f"MoE offload serves DeepSeek-V4's MXFP4 experts; {a.family.name} has none")
-    if a.offload is not None and a.exe_mode == "graph" and backend.device_type() != "cpu":
-        p.error(f"MoE offload in graph mode runs on CPU (torch.compile); on {backend.device_type()} a captured graph "
-                "would replay without the host experts' call: use --exe-mode eager")
+    if a.offload is not None and a.exe_mode != "eager" and backend.device_type() != "cpu":
+        p.error(f"MoE offload in graph (or auto) mode runs on CPU (torch.compile); on {backend.device_type()} a captured "
+                "graph would replay without the host experts' call: use --exe-mode eager")
     if a.offload is not None and a.offload.placement == "dynamic" and a.layout.moe_ep > 1:
         p.error(f"MoE offload placement dynamic runs on one process (moe_ep 1); --config {a.config.name} has moe_ep "
                 f"{a.layout.moe_ep}: use placement prefix or frequency (each rank places its own experts)")

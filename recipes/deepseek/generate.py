@@ -57,7 +57,7 @@ def parse_args(argv=None):
     check_model_args(p, a)
     if a.record_routing is not None and not a.family.supports_offload:
         p.error(f"--record-routing counts DeepSeek-V4's routed experts (MoE offload); {a.family.name} has no offload")
-    if a.record_routing is not None and a.exe_mode == "graph":
+    if a.record_routing is not None and a.exe_mode != "eager":
         p.error("--record-routing counts on the host in eager steps (a graph step's padding rows are routed too): "
                 "use --exe-mode eager")
     return a
@@ -104,7 +104,8 @@ def main(argv=None) -> int:
           f"peak_memory={max(peak) / 2**20:.0f}MiB ranks={engine.parallel.world_size} device={backend.device_type()}"
           + (f" mtp_drafts={s.num_draft_tokens} acceptance={s.acceptance_rate:.2f} "
              f"mean_accepted_length={s.mean_accepted_length:.2f}" if engine.config.num_speculative_tokens else "")
-          + (f" exe_mode=graph graph_steps={sum(graphs.replays.values())} compile_s={graphs.capture_seconds:.1f}"
+          + (f" exe_mode={engine.config.exe_mode} graph_buckets={','.join(map(str, graphs.buckets))} "
+             f"graph_steps={sum(graphs.replays.values())} compile_s={graphs.capture_seconds:.1f}"
              if (graphs := engine.runner.graphs) is not None else "")
           + (f" offload={off.num_slots}/{off.resident.num_experts} placement={a.offload.placement} "
              f"host={a.offload.host_backend} resident_hit_rate={off.hit_rate():.2f} swaps={off.swaps}"

@@ -308,7 +308,8 @@ class MLAttention(nn.Module):
                 o = ops.paged_attention(qa, self.kv_cache, None, batch.block_tables[LATENT], batch.seq_lens,
                                         batch.cu_seqlens_q, self.scale, max_seqlen_q=batch.max_seqlen_q,
                                         max_seqlen_k=batch.max_seqlen_k)  # [T, H, R + Dr]
-            o = torch.bmm(o[..., : self.rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+            # W_UV [H, v, R] @ o^T [H, R, T]: the weight as it lies (its transpose would be copied each step)
+            o = torch.bmm(w_uv, o[..., : self.rank].permute(1, 2, 0)).permute(2, 0, 1)  # [H, v, T] -> [T, H, v]
         else:
             rows, cu_k = gather_rows(self.kv_cache, batch.block_tables[LATENT], batch.seq_lens)  # [S, 1, R + Dr]
             k_nope, v = self.kv_b_proj.expand(rows[:, 0, : self.rank])  # [S, H, nope], [S, H, v]

@@ -44,7 +44,8 @@ def add_model_args(p: ArgumentParser) -> None:
                    "step from the checkpoint's MTP layer (overrides the preset's speculative.num_speculative_tokens; "
                    "0: off)")
     p.add_argument("--exe-mode", choices=EXE_MODES, help="graph: decode steps as graphs compiled per batch size at "
-                   "start-up (overrides the preset's exe_mode; default eager)")
+                   "start-up; auto: graph where, timed at start-up, a bucket's graph beats eager (overrides the "
+                   "preset's exe_mode; default eager)")
 
 
 def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:

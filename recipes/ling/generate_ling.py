@@ -74,7 +74,8 @@ def main(argv=None) -> int:
           f"peak_memory={max(peak) / 2**20:.0f}MiB ranks={engine.parallel.world_size} device={backend.device_type()}"
           + (f" mtp_drafts={s.num_draft_tokens} acceptance={s.acceptance_rate:.2f} "
              f"mean_accepted_length={s.mean_accepted_length:.2f}" if engine.config.num_speculative_tokens else "")
-          + (f" exe_mode=graph graph_steps={sum(graphs.replays.values())} compile_s={graphs.capture_seconds:.1f}"
+          + (f" exe_mode={engine.config.exe_mode} graph_buckets={','.join(map(str, graphs.buckets))} "
+             f"graph_steps={sum(graphs.replays.values())} compile_s={graphs.capture_seconds:.1f}"
              if (graphs := engine.runner.graphs) is not None else ""))
     return 0
 

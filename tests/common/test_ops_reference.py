@@ -203,6 +203,47 @@ def test_paged_attention_uniform_queries_equal_attention(kw):
     close(got[1], want[1])
 
 
+def test_bf16_decode_batch_through_the_fused_kernel_equals_fp32_attention():
+    """bf16 decode rows, MQA with K = V (MLA's latent, V4's shared KV): torch's fused CPU kernel, fp32 accumulation,
+    within bf16 rounding of fp32 dense attention; a sliding window and sinks on top."""
+    kv_lens = [7, 1, 5, 12]
+    k, _, k_cache, _, table = paged_setup(kv_lens, hkv=1, d=16, dv=16)
+    q = torch.randn(len(kv_lens), 4, 16)
+    ones, lens = cu([1] * len(kv_lens)), torch.tensor(kv_lens, dtype=torch.int32)
+    for kw in (dict(), dict(sliding_window=3, sinks=torch.randn(4))):
+        got = ref.paged_attention(q.bfloat16(), k_cache.bfloat16(), None, table, lens, ones, 0.3, return_lse=True,
+                                  **kw)
+        want = ref.attention(q, k, k, ones, cu(kv_lens), 0.3, return_lse=True, **kw)
+        assert got[0].dtype == torch.bfloat16
+        close(got[0], want[0], tol=3e-2)
+        close(got[1], want[1], tol=3e-2)
+
+
+def test_compiled_decode_reads_the_keys_held_not_the_padded_width():
+    """In a compiled CPU graph (graph mode) the decode rows run as one opaque op that reads the kv lengths on the
+    host: max_seqlen_k 64 (the graph's bound) gathers only the 12 keys the longest sequence holds, with the eager
+    result."""
+    kv_lens = [7, 3, 12]
+    k, v, k_cache, v_cache, table = paged_setup(kv_lens)
+    q, ones, lens = torch.randn(3, 4, 8), cu([1] * 3), torch.tensor(kv_lens, dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, table, lens):
+        return ref.paged_attention(q, k_cache, v_cache, table, lens, ones, 0.3, return_lse=True, max_seqlen_q=1,
+                                   max_seqlen_k=64)
+
+    want = step(q, k_cache, v_cache, table, lens)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    compiled(q, k_cache, v_cache, table, lens)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        got = compiled(q, k_cache, v_cache, table, lens)
+    gathers = [e.input_shapes[2] for e in prof.events() if e.name == "aten::index_select"]  # (rows, dim, index)
+    assert any(e.name == "npu_cookbook::paged_decode" for e in prof.events())
+    assert gathers and all(shape == [3 * 12] for shape in gathers)  # [B * longest kv length] slots
+    close(got[0], want[0])
+    close(got[1], want[1])
+    close(got[0], ref.attention(q, k, v, ones, cu(kv_lens), 0.3))
+
+
 @pytest.mark.parametrize("with_v", [True, False])
 def test_reshape_and_cache(with_v):
     """Every slot is written; padding rows share row 0 (the null block's), one of them wins there."""

@@ -187,10 +187,14 @@ def paged_attention(
             behind = Q - 1 - torch.arange(T, device=q.device) % Q  # [T]
             seq_lens = seq_lens.repeat_interleave(Q) - behind  # [T] keys each query sees
             block_tables = block_tables.repeat_interleave(Q, 0)  # [T, max_blocks]
-        width = None
-        if max_seqlen_k is not None:
-            width = max_seqlen_k if sliding_window is None else min(max_seqlen_k, sliding_window)
-        out, lse = _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, width)
+        if q.device.type == "cpu" and torch.compiler.is_compiling():  # a CPU graph: the keys each sequence holds
+            out, lse = torch.ops.npu_cookbook.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                           sliding_window)
+        else:
+            width = None
+            if max_seqlen_k is not None:
+                width = max_seqlen_k if sliding_window is None else min(max_seqlen_k, sliding_window)
+            out, lse = _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, width)
         if sinks is not None:
             out = apply_attention_sinks(out, lse, sinks)
         out = out.to(q.dtype)
@@ -228,13 +232,53 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sli
     valid = pos < ends[:, None]  # [B, Km]
     pos = torch.where(valid, pos, starts[:, None])  # padding reads a real slot, masked below
     slots = block_tables.gather(1, pos // block_size).long() * block_size + pos % block_size  # [B, Km]
-    kp = rows_at(k_cache, slots).float()  # [B, Km, Hkv, D]
-    vp = kp if v_cache is None else rows_at(v_cache, slots).float()  # [B, Km, Hkv, Dv]
+    kp = rows_at(k_cache, slots)  # [B, Km, Hkv, D]
+    vp = kp if v_cache is None else rows_at(v_cache, slots)  # [B, Km, Hkv, Dv]
+    if _fused_decode_ok(q, kp, vp):
+        return _decode_fused(q, kp, vp, valid, scale)
+    kp, vp = kp.float(), vp.float()
     qg = q.float().view(B, Hkv, Hq // Hkv, -1)  # [B, Hkv, G, D]
     scores = (qg @ kp.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, Km]
     probs, lse = _masked_softmax(scores, valid[:, None, None, :])
     out = probs @ vp.permute(0, 2, 1, 3)  # [B, Hkv, G, Dv]
     return out.reshape(B, Hq, -1), lse.reshape(B, Hq)
+
+
+@torch.library.custom_op("npu_cookbook::paged_decode", mutates_args=())
+def _paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """_paged_decode as one opaque op of a compiled CPU graph: its output shapes are the step's alone, and inside it
+    reads the longest kv length of the step on the host (no device sync on CPU), so a graph step gathers and scores
+    the keys its sequences hold, not keys padded to max_model_len (a CUDA graph cannot read the host: it pads)."""
+    return _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+
+
+@_paged_decode_op.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+    B, Hq = q.shape[:2]
+    Dv = (k_cache if v_cache is None else v_cache).shape[-1]
+    return q.new_empty(B, Hq, Dv, dtype=torch.float32), q.new_empty(B, Hq, dtype=torch.float32)
+
+
+def _fused_decode_ok(q, kp, vp) -> bool:
+    """torch's fused CPU attention takes the decode rows: on CPU, same q / v head dims, a float dtype."""
+    return q.device.type == "cpu" and q.shape[-1] == vp.shape[-1] and q.dtype in (torch.float32, torch.bfloat16,
+                                                                               torch.float16) and kp.dtype == q.dtype
+
+
+def _decode_fused(q, kp, vp, valid, scale: float):
+    """_paged_decode's attention through torch's fused CPU kernel (flash-style, fp32 accumulation, no fp32 copy of
+    the keys): a KV head's G query heads are its G query rows, which see the same keys (no mask between them), so
+    MQA / GQA need no repeat. q [B, Hq, D], kp / vp [B, Km, Hkv, D / Dv], valid [B, Km] -> fp32 out [B, Hq, Dv],
+    lse [B, Hq]."""
+    B, Hq, _ = q.shape
+    Hkv = kp.shape[2]
+    qh = q.reshape(B, Hkv, Hq // Hkv, -1)  # [B, Hkv, G, D]
+    mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))  # [B, Km]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qh, kp.transpose(1, 2), vp.transpose(1, 2), 0.0, False, attn_mask=mask[:, None, None], scale=scale)[:2]
+    return out.reshape(B, Hq, -1).float(), lse.reshape(B, Hq)  # [B, Hkv, G, Dv] -> [B, Hq, Dv]
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:

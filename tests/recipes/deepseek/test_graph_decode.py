@@ -80,6 +80,23 @@ def test_seeded_sampling_in_graph_mode_equals_eager(setup):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
+def test_auto_mode_runs_the_buckets_whose_graph_won_its_timing_and_equals_eager(setup):
+    """exe_mode auto times each compiled bucket against the eager forward at start-up and keeps the faster graphs:
+    the buckets it runs are exactly those, steps of the others run eager, and the outputs are eager's. (The
+    buckets are the graph engine's, so inductor's disk cache holds their code.)"""
+    eager, _, prompts, path = setup
+    auto = LLM(load_model(path, torch.float32), AutoTokenizer.from_pretrained(path), exe_mode="auto",
+               graph_capture_sizes=(1, 4), **ENGINE)
+    graphs = auto.engine.runner.graphs
+    assert set(graphs.calibration) == {1, 4} and all(g > 0 and e > 0 for g, e in graphs.calibration.values())
+    assert graphs.buckets == tuple(n for n, (g, e) in graphs.calibration.items() if g < e)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
+    assert_same(eager.generate(prompts, params, use_tqdm=False), auto.generate(prompts, params, use_tqdm=False))
+    assert all(graphs.replays[n] > 0 for n in graphs.buckets)  # the 4-, 3-, 2- and 1-sequence decode steps
+    assert all(graphs.replays[n] == 0 for n in graphs.sizes if n not in graphs.buckets)
+    assert auto.engine.kv_cache.all_blocks_free()
+
+
 def test_padding_rows_never_change_real_rows(setup):
     """The model on a decode batch padded to a bucket (fixed table width, max_seqlen_k the bound) gives the real
     rows what the unpadded batch gives, and its padding writes only to the null block."""
@@ -143,6 +160,7 @@ def test_graph_mode_refuses_a_device_it_cannot_capture_on(setup):
 def test_capture_sizes_default_to_powers_of_two_and_max_num_seqs():
     assert EngineConfig(max_num_seqs=16, exe_mode="graph").resolve(1024).graph_capture_sizes == (1, 2, 4, 8, 16)
     assert EngineConfig(max_num_seqs=6, exe_mode="graph").resolve(1024).graph_capture_sizes == (1, 2, 4, 6)
+    assert EngineConfig(max_num_seqs=6, exe_mode="auto").resolve(1024).graph_capture_sizes == (1, 2, 4, 6)
     assert EngineConfig(max_num_seqs=6).resolve(1024).graph_capture_sizes is None  # eager: no buckets
     for bad in ((2, 1), (0,), (1, 1), ()):
         with pytest.raises(ValueError, match="graph_capture_sizes"):
