@@ -65,6 +65,8 @@ def _attend_fused(q, k, v, seq, causal: bool, sliding_window: int | None, scale:
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q[qs:qe], k[ks:ke], v[ks:ke]))  # [1, H, L, D]
     if kh.shape[1] != qh.shape[1]:
         kh, vh = (t.repeat_interleave(qh.shape[1] // kh.shape[1], dim=1) for t in (kh, vh))
+    Dv, width = v.shape[-1], max(q.shape[-1], v.shape[-1])  # the kernel takes one head size: zeros pad the other
+    qh, kh, vh = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (qh, kh, vh))
     mask = None
     if causal and (sliding_window is not None or qe - qs != ke - ks):
         pos = torch.arange(ke - ks - (qe - qs), ke - ks, device=q.device)[:, None]  # [Q, 1] query positions
@@ -74,15 +76,16 @@ def _attend_fused(q, k, v, seq, causal: bool, sliding_window: int | None, scale:
         causal = False  # the mask says it all
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qh, kh, vh, 0.0, causal, attn_mask=mask, scale=scale)[:2]
-    return out[0].transpose(0, 1), lse[0].transpose(0, 1)  # [Q, Hq, Dv], [Q, Hq]
+    return out[0, ..., :Dv].transpose(0, 1), lse[0].transpose(0, 1)  # [Q, Hq, Dv], [Q, Hq]
 
 
 def _fused_ok(q, k, v, seq, causal: bool, sliding_window: int | None) -> bool:
-    """The fused CPU kernel applies: same q / v head dims, and every query row sees a key (a causal window of
-    at least 1 keeps the query's own position; other windows could leave a row empty)."""
+    """The fused CPU kernel applies: every query row sees a key (a causal window of at least 1 keeps the query's
+    own position; other windows could leave a row empty). Q / K and V head sizes may differ (MLA's 192 / 128):
+    zeros pad the smaller to the larger, which changes no score and no output column kept."""
     window_ok = sliding_window is None or (causal and sliding_window >= 1)
-    return (q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and window_ok
-            and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    return (q.device.type == "cpu" and window_ok and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and k.dtype == v.dtype == q.dtype)
 
 
 def apply_attention_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

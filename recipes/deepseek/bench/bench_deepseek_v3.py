@@ -186,13 +186,19 @@ def top_ops(profile: dict[str, float], n: int = 8) -> str:
     return f"{total * 1e3:.1f} ms a step: " + ", ".join(f"{op.strip('# ')[:32]} {s * 1e3:.1f} ms" for op, s in best)
 
 
+def ensure_checkpoint() -> Path:
+    """The MLA bench checkpoint, written when missing or written by an older revision of the writer."""
+    if not is_current(BENCH):
+        write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, **BENCH_SIZES)
+    return BENCH
+
+
 def main(a) -> None:
     start = time.perf_counter()
     dtype, dtype_line = backend.resolve_dtype(a.dtype, None)
     print(f"{dtype_line}; {backend.cpu_model_name()}, {backend.cpu_description()}", flush=True)
     torch.set_num_threads(a.threads)
-    if not is_current(BENCH):
-        write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, **BENCH_SIZES)
+    ensure_checkpoint()
     args = ModelArgs.from_config(json.loads((BENCH / "config.json").read_text()))
     tok = AutoTokenizer.from_pretrained(BENCH)
     model = load_model(BENCH, dtype)

@@ -59,7 +59,8 @@ def test_mtp_and_graph_mode_flags_print_the_plain_completions(tmp_path):
     assert plain.returncode == 0 and fast.returncode == 0, (plain.stderr, fast.stderr)
     completions = lambda out: [line for line in out.splitlines() if line.startswith(("> ", "'", '"'))]  # noqa: E731
     assert completions(fast.stdout) == completions(plain.stdout) and len(completions(plain.stdout)) > 2
-    assert "mtp_drafts=" in fast.stdout and "exe_mode=graph graph_steps=" in fast.stdout
+    assert "mtp_drafts=" in fast.stdout and "exe_mode=graph graph_buckets=" in fast.stdout
+    assert "graph_steps=" in fast.stdout
 
 
 @pytest.mark.parametrize("args, needle", [
