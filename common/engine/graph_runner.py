@@ -9,19 +9,20 @@ shape of the step is the bucket's alone (the model reads no tensor on the host: 
 step (prefill, mixed prefill + decode, an MTP step whose drafts were cut short) runs eager.
 
 CPU: each bucket is `torch.compile(fullgraph=True, dynamic=False)` (inductor), compiled at start-up, one bucket
-after the other under a progress bar, by a step over padding alone (padding writes only to the null block).
-The GEMMs stay the oneDNN-packed ones of common/cpu_gemm.py, as opaque custom ops, and so does the MoE's
-expert loop (its host split is no device sync on CPU), MoE offload's host experts (common/offload: a submit
-op and a sync op, which run the host backend at every replay; a CUDA capture refuses them), and paged decode
-attention (ops.paged_attention's decode rows: inside the op the step's longest kv length is read on the host, so
-a graph step gathers and scores the keys its sequences hold, as eager does, not max_model_len padded ones; the
-padded width stays where a model pads itself, e.g. DeepSeek-V4's compressed entries and V3.2's indexer, at
-max_seqlen_k / ratio). Inductor keeps what it compiled on disk (its FX graph cache under TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_<user>), so a second start traces again but
-compiles nothing. That cache keys a graph by its code, not by the vector width inductor wrote it for, and the same
-folder may serve another CPU kind (an AVX-512 graph rebuilt for AVX2 indexes out of bounds): the compile pins
-`cpp.simdlen` to the width inductor picks here (`inductor_options`), which puts it in the key. At run time a step
-fails loudly instead of stalling for a compile (`fail_on_recompile`). (A step after the model's caches were
-reallocated by another engine on the same model fails before it runs: ModelRunner checks, in every mode.)
+after the other under a progress bar, by a step over padding alone (padding writes only to the null block). The
+GEMMs stay the oneDNN-packed ones of common/cpu_gemm.py, as opaque custom ops, and so does the MoE's expert loop
+(its host split is no device sync on CPU), MoE offload's host experts (common/offload: a submit op and a sync op,
+which run the host backend at every replay; a CUDA capture refuses them), and paged decode attention
+(ops.paged_attention's decode rows: inside the op the step's longest kv length is read on the host, so a graph step
+gathers and scores the keys its sequences hold, as eager does, not max_model_len padded ones; the padded width stays
+where a model pads itself, e.g. DeepSeek-V4's compressed entries and V3.2's indexer, at max_seqlen_k / ratio).
+Inductor keeps what it compiled on disk (its FX graph cache under TORCHINDUCTOR_CACHE_DIR, default
+/tmp/torchinductor_<user>), so a second start traces again but compiles nothing. That cache keys a graph by its
+code, not by the vector width inductor wrote it for, and the same folder may serve another CPU kind (an AVX-512
+graph rebuilt for AVX2 indexes out of bounds): the compile pins `cpp.simdlen` to the width inductor picks here
+(`inductor_options`), which puts it in the key. At run time a step fails loudly instead of stalling for a compile
+(`fail_on_recompile`). (A step after the model's caches were reallocated by another engine on the same model fails
+before it runs: ModelRunner checks, in every mode.)
 
 CUDA: the same compile per bucket (inductor's Triton kernels; the MoE's expert matmuls traced as
 common.ops.reference.moe.static_grouped_matmul, which reads no group size on the host), then one

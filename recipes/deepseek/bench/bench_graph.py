@@ -8,9 +8,11 @@ Per model: an eager engine and a graph engine (graph_capture_sizes = --batches; 
 cold as inductor's disk cache finds it) on copies of the bench checkpoint (bench.py's: V4 at its own max_model_len,
 4,096; V3 at bench_deepseek_v3's, 1,024), each fed the same requests: --batches x --contexts cells, B prompts of C
 tokens, prefilled, two decode steps to warm up, then --repeats windows of --steps decode steps timed (the engine's
-whole step: schedule, forward, sample), ms a step, the best window. Then `GraphRunner.calibrate` on the graph engine: exe_mode auto's start-up timing of
-each bucket (padding steps, graph against eager) and the buckets it keeps. Prints the CPU, a progress bar, a table
-per model (eager ms, graph ms, eager / graph), the buckets auto keeps, and the wall time."""
+whole step: schedule, forward, sample), ms a step, the best window. Then `GraphRunner.calibrate` on the graph
+engine: exe_mode auto's start-up timing of each bucket (padding steps, graph against eager) and the buckets it
+keeps. Prints the CPU, a progress bar, a table per model (eager ms, graph ms, eager / graph), the buckets auto
+keeps, and the wall time.
+"""
 from __future__ import annotations
 
 import argparse
