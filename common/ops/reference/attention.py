@@ -84,8 +84,13 @@ def _fused_ok(q, k, v, seq, causal: bool, sliding_window: int | None) -> bool:
     own position; other windows could leave a row empty). Q / K and V head sizes may differ (MLA's 192 / 128):
     zeros pad the smaller to the larger, which changes no score and no output column kept."""
     window_ok = sliding_window is None or (causal and sliding_window >= 1)
-    return (q.device.type == "cpu" and window_ok and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and k.dtype == v.dtype == q.dtype)
+    return window_ok and _fused_kernel_takes(q, k, v)
+
+
+def _fused_kernel_takes(q, k, v) -> bool:
+    """torch's fused CPU attention kernel takes these: on CPU, one float dtype for all three."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+        and k.dtype == v.dtype == q.dtype
 
 
 def apply_attention_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -237,7 +242,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sli
     slots = block_tables.gather(1, pos // block_size).long() * block_size + pos % block_size  # [B, Km]
     kp = rows_at(k_cache, slots)  # [B, Km, Hkv, D]
     vp = kp if v_cache is None else rows_at(v_cache, slots)  # [B, Km, Hkv, Dv]
-    if _fused_decode_ok(q, kp, vp):
+    if _fused_kernel_takes(q, kp, vp) and q.shape[-1] == vp.shape[-1]:  # (K = V in every decode caller)
         return _decode_fused(q, kp, vp, valid, scale)
     kp, vp = kp.float(), vp.float()
     qg = q.float().view(B, Hkv, Hq // Hkv, -1)  # [B, Hkv, G, D]
@@ -262,12 +267,6 @@ def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
     B, Hq = q.shape[:2]
     Dv = (k_cache if v_cache is None else v_cache).shape[-1]
     return q.new_empty(B, Hq, Dv, dtype=torch.float32), q.new_empty(B, Hq, dtype=torch.float32)
-
-
-def _fused_decode_ok(q, kp, vp) -> bool:
-    """torch's fused CPU attention takes the decode rows: on CPU, same q / v head dims, a float dtype."""
-    return q.device.type == "cpu" and q.shape[-1] == vp.shape[-1] and q.dtype in (torch.float32, torch.bfloat16,
-                                                                               torch.float16) and kp.dtype == q.dtype
 
 
 def _decode_fused(q, kp, vp, valid, scale: float):
