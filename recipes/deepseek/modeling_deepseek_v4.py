@@ -30,6 +30,7 @@ from torch import nn
 
 from common import cpu_gemm, ops
 from common import parallel as par
+from common.engine.compile_region import compile_region
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_contract import ModelContract
 from common.kv_cache import CacheGroupSpec, CacheTensorSpec, check_cache_tensors
@@ -311,6 +312,7 @@ class Attention(nn.Module):
             owners.append((f"{prefix}.indexer.compressor", self.indexer.compressor))
         return owners
 
+    @compile_region  # one per kind of layer (sliding, CSA, HCA)
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
         cos, sin = self.rope.cos_sin(batch.positions)  # [T, rope_dim]
@@ -403,6 +405,7 @@ class MoE(nn.Module):
         self.offload = None  # common.offload.ExpertOffload, with num_slots
         self.routing_counter = None  # common.offload.RoutingCounter, to write a routing-count file
 
+    @compile_region  # one per kind of routing (hash, score)
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, uniform: bool = False,
                 seq_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] (the same on every attention-TP rank) -> [T, D]. uniform: every rank runs T tokens (a
@@ -494,6 +497,7 @@ class SharedExpert(nn.Module):
         return self.w2(ops.swiglu(self.w13(x), self.limit))
 
 
+@compile_region  # one compiled subgraph for every layer and site (its Sinkhorn steps unrolled once)
 def hc_pre(x, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
     """mHC weights from the n streams. x [T, n, D] -> (collapsed [T, D], post [T, n], comb [T, n, n])."""
     x32 = x.flatten(1).float()  # [T, n*D]; read again for the collapse (a bf16 * fp32 product converts per element)
