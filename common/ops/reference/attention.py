@@ -226,6 +226,9 @@ def rows_at(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:])
 
 
+SHORT_ROWS = 4  # paged decode attends the rows of a quarter of the longest visible length or less on their own
+
+
 def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int | None,
                   width: int | None = None):
     """One query per row (B = T: a decode token, or a draft with its own block-table row and kv end): its visible
@@ -235,6 +238,15 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sli
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     ends = seq_lens.long()  # [B] the new token sits at position end - 1 and sees keys [start, end)
     starts = (ends - sliding_window).clamp(min=0) if sliding_window is not None else torch.zeros_like(ends)
+    if width is None:  # the widths read on the host: rows far shorter than the longest (a graph bucket's padding
+        short = (ends - starts) * SHORT_ROWS <= int((ends - starts).max())  # sequences) go in a batch of their own
+        if bool(short.any()) and not bool(short.all()):
+            Dv = (k_cache if v_cache is None else v_cache).shape[-1]
+            out, lse = q.new_empty(B, Hq, Dv, dtype=torch.float32), q.new_empty(B, Hq, dtype=torch.float32)
+            for rows in (short.nonzero()[:, 0], (~short).nonzero()[:, 0]):  # [B_s], [B_l]
+                out[rows], lse[rows] = _paged_decode(q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows],
+                                                     scale, sliding_window)
+            return out, lse
     ka = torch.arange(int((ends - starts).max()) if width is None else width, device=q.device)  # [Km]
     pos = starts[:, None] + ka  # [B, Km]
     valid = pos < ends[:, None]  # [B, Km]
