@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from common import parallel as par
+from common import cpu_threads, parallel as par
 from common.engine import LLMEngine
 from common.engine.kv_connector import BlockTable
 from common.engine.request import Request
@@ -85,7 +85,8 @@ class PrefillConnector(PDConnector):
         self.aborted: collections.OrderedDict[str, None] = collections.OrderedDict()  # every rank: rooms not to send
         self.sending: set[str] = set()  # this rank's rooms being written
         self.lock = threading.Lock()
-        self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
+        self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send",
+                                                            initializer=cpu_threads.serial_thread)
         self.stats = TransferStats()
 
     def bind(self, engine: LLMEngine, async_engine: EngineHost, loop: asyncio.AbstractEventLoop | None) -> None:

@@ -12,6 +12,7 @@ aborts its requests, streaming or not, which frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import secrets
 
@@ -20,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common import cpu_threads
 from common.kv_transfer import PrefillConnector
 
 from .async_engine import AsyncLLMEngine
@@ -69,6 +71,11 @@ def build_app(async_engine: AsyncLLMEngine, tokenizer, model_name: str, api_key:
     serving = OpenAIServing(async_engine, tokenizer, model_name, metrics, media, max_images)
 
     async def lifespan(app: FastAPI):
+        # the model's parallel ops keep the cores to the engine thread's OpenMP team (common/cpu_threads.py): this
+        # thread (the event loop) and the to_thread work (image decoding, grammar compiles) start none
+        cpu_threads.serial_thread()
+        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
+            thread_name_prefix="serving", initializer=cpu_threads.serial_thread))
         if connector is not None:
             connector.bind(engine, async_engine, asyncio.get_running_loop())
         if not async_engine.started:

@@ -28,7 +28,7 @@ import collections
 import threading
 from collections.abc import AsyncIterator, Sequence
 
-from common import parallel as par
+from common import cpu_threads, parallel as par
 from common.engine import LLMEngine, RequestOutput, SamplingParams
 from common.engine.llm import LeastLoaded, request_cost
 from common.engine.multimodal import MultiModalInput
@@ -58,6 +58,9 @@ class AsyncLLMEngine:
         self._balance = LeastLoaded(par.group_size(engine.dp_group))  # rank 0: which DP rank takes each request
 
     def start(self) -> "AsyncLLMEngine":
+        """Step the engine on its own thread from now on. The calling thread (the one that built the engine) ends
+        its OpenMP team first: two teams on the cores slow every step (common/cpu_threads.py)."""
+        cpu_threads.release_team()
         self._thread.start()
         return self
 
