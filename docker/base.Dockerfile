@@ -13,8 +13,10 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PYTHONUNBUFFERED=1
 
 WORKDIR /opt/npu-cookbook
-# libibverbs1: what the Mooncake transfer engine (PD disaggregation's KV transfer) links against
-RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 && rm -rf /var/lib/apt/lists/*
+# libibverbs1: what the Mooncake transfer engine (PD disaggregation's KV transfer) links against;
+# libtcmalloc-minimal4: the allocator the benches restart under (common/cpu_malloc.py)
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 libtcmalloc-minimal4 \
+    && rm -rf /var/lib/apt/lists/*
 COPY docker/versions.env docker/versions.env
 COPY requirements.txt requirements-npu.txt requirements-nodeps.txt ./
 

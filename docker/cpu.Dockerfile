@@ -17,8 +17,10 @@ WORKDIR /opt/npu-cookbook
 
 # Dependencies first so code edits do not reinstall them. torch comes from the CPU wheel index
 # (no CUDA wheels); requirements.txt then finds its `torch==` pin already satisfied.
-# libibverbs1: what the Mooncake transfer engine (PD disaggregation's KV transfer) links against
-RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 && rm -rf /var/lib/apt/lists/*
+# libibverbs1: what the Mooncake transfer engine (PD disaggregation's KV transfer) links against;
+# libtcmalloc-minimal4: the allocator the benches restart under (common/cpu_malloc.py)
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 libtcmalloc-minimal4 \
+    && rm -rf /var/lib/apt/lists/*
 COPY docker/versions.env docker/versions.env
 COPY requirements.txt requirements-nodeps.txt ./
 RUN . docker/versions.env \

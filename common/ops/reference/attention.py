@@ -233,13 +233,17 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sli
                   width: int | None = None):
     """One query per row (B = T: a decode token, or a draft with its own block-table row and kv end): its visible
     keys gathered straight from the pages into one batch padded to `width` keys (None: the widest row's, read on
-    the host), one GEMM per KV head group. -> fp32 out [B, Hq, Dv], lse [B, Hq]."""
+    the host), one GEMM per KV head group. With width None, rows that see at most a quarter of the widest row's
+    keys (SHORT_ROWS; a graph bucket's padding sequences see one) are attended in a batch of their own, so they are
+    not gathered and scored at the widest row's length. -> fp32 out [B, Hq, Dv], lse [B, Hq]."""
     B, Hq, _ = q.shape
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     ends = seq_lens.long()  # [B] the new token sits at position end - 1 and sees keys [start, end)
     starts = (ends - sliding_window).clamp(min=0) if sliding_window is not None else torch.zeros_like(ends)
-    if width is None:  # the widths read on the host: rows far shorter than the longest (a graph bucket's padding
-        short = (ends - starts) * SHORT_ROWS <= int((ends - starts).max())  # sequences) go in a batch of their own
+    if width is None:  # the widths read on the host
+        lens = ends - starts  # [B] keys each row sees
+        width = int(lens.max())
+        short = lens * SHORT_ROWS <= width  # [B]
         if bool(short.any()) and not bool(short.all()):
             Dv = (k_cache if v_cache is None else v_cache).shape[-1]
             out, lse = q.new_empty(B, Hq, Dv, dtype=torch.float32), q.new_empty(B, Hq, dtype=torch.float32)
@@ -247,7 +251,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sli
                 out[rows], lse[rows] = _paged_decode(q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows],
                                                      scale, sliding_window)
             return out, lse
-    ka = torch.arange(int((ends - starts).max()) if width is None else width, device=q.device)  # [Km]
+    ka = torch.arange(width, device=q.device)  # [Km]
     pos = starts[:, None] + ka  # [B, Km]
     valid = pos < ends[:, None]  # [B, Km]
     pos = torch.where(valid, pos, starts[:, None])  # padding reads a real slot, masked below

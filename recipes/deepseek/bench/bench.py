@@ -28,7 +28,7 @@ from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
 from bench_utils import (BENCH, BENCH_CONFIG, ENGINE, best_of, decode_tok_s, ensure_bench, gemm_seconds_per_step,
                          hf_generate, ours_generate, prompts, read_bandwidth, timed, weight_bytes_per_step)
-from common import backend
+from common import backend, cpu_malloc
 from common.engine import LLM
 from config_deepseek_v4 import ModelArgs
 from weights_deepseek_v4 import load_model
@@ -162,4 +162,5 @@ def main():
 
 
 if __name__ == "__main__":
+    cpu_malloc.reexec_with_tcmalloc()  # before any timing: glibc's malloc makes step times a lottery
     main()

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from bench_utils import ENGINE, ensure_bench, prompts
-from common import backend
+from common import backend, cpu_malloc
 from common.engine import LLM, SamplingParams
 
 
@@ -108,4 +108,5 @@ def main():
 
 
 if __name__ == "__main__":
+    cpu_malloc.reexec_with_tcmalloc()  # before any timing: glibc's malloc makes step times a lottery
     main()

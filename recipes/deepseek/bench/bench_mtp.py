@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from bench_utils import BENCH, decode_tok_s, ours_generate
-from common import backend
+from common import backend, cpu_malloc
 from common.engine import LLM
 from weights_deepseek_v4 import load_model
 
@@ -89,4 +89,5 @@ def main():
 
 
 if __name__ == "__main__":
+    cpu_malloc.reexec_with_tcmalloc()  # before any timing: glibc's malloc makes step times a lottery
     main()

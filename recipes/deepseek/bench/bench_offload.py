@@ -43,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 from bench_utils import RECIPE, WEIGHTS
-from common import backend
+from common import backend, cpu_malloc
 from common.offload import load_routing_counts
 from tiny_deepseek_v4 import TINY_CONFIG
 
@@ -355,4 +355,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    cpu_malloc.reexec_with_tcmalloc()  # before any timing: glibc's malloc makes step times a lottery
     sys.exit(main())

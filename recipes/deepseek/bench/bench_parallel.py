@@ -116,4 +116,6 @@ def main():
 
 
 if __name__ == "__main__":
+    from common import cpu_malloc
+    cpu_malloc.reexec_with_tcmalloc()  # before any timing: glibc's malloc makes step times a lottery
     main()

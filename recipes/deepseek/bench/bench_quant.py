@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
 from bench_utils import (BENCH, BENCH_CONFIG, decode_tok_s, ensure_bench, gemm_seconds_per_step, hf_generate, ours_generate, prompts,
                          read_bandwidth, weight_bytes_per_step)
-from common import backend
+from common import backend, cpu_malloc
 from common.engine import LLM
 from config_deepseek_v4 import ModelArgs
 from convert_checkpoint import convert
@@ -111,4 +111,5 @@ def main():
 
 
 if __name__ == "__main__":
+    cpu_malloc.reexec_with_tcmalloc()  # before any timing: glibc's malloc makes step times a lottery
     main()

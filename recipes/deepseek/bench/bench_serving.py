@@ -424,4 +424,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from common import cpu_malloc
+    cpu_malloc.reexec_with_tcmalloc()  # before any timing: glibc's malloc makes step times a lottery
     sys.exit(main())

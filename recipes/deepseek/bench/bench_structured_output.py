@@ -36,7 +36,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from common import backend
+from common import backend, cpu_malloc
 from common.engine import LLM, SamplingParams
 from common.engine.sampling_params import StructuredOutputsParams
 from common.engine.structured_output import StructuredOutputManager
@@ -242,4 +242,5 @@ def main():
 
 
 if __name__ == "__main__":
+    cpu_malloc.reexec_with_tcmalloc()  # before any timing: glibc's malloc makes step times a lottery
     main()

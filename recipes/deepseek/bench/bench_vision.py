@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 
 from bench_utils import WEIGHTS
 from chat_format_deepseek_v4 import DeepseekV4ChatFormat
-from common import backend
+from common import backend, cpu_malloc
 from common.engine import LLMEngine, EngineConfig, SamplingParams
 from common.loader import Checkpoint
 from common.serving.chat_format import Conversation
@@ -213,4 +213,5 @@ def main():
 
 
 if __name__ == "__main__":
+    cpu_malloc.reexec_with_tcmalloc()  # before any timing: glibc's malloc makes step times a lottery
     main()

@@ -32,7 +32,7 @@ from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
 from bench_utils import (BENCH, BENCH_CONFIG, ENGINE, ROOT, best_of, ensure_bench, decode_tok_s, hf_generate,
                          ours_generate)
-from common import backend
+from common import backend, cpu_malloc
 from common.engine import LLM
 from tiny_deepseek_v4 import publisher_config
 from weights_deepseek_v4 import load_model
@@ -158,4 +158,5 @@ def main():
 
 
 if __name__ == "__main__":
+    cpu_malloc.reexec_with_tcmalloc()  # before any timing: glibc's malloc makes step times a lottery
     main()
