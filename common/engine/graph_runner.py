@@ -10,7 +10,7 @@ step (prefill, mixed prefill + decode, an MTP step whose drafts were cut short) 
 
 CPU: each bucket is `torch.compile(fullgraph=True, dynamic=False)` (inductor), compiled at start-up, one bucket
 after the other under a progress bar, by a step over padding alone (padding writes only to the null block). Within
-a graph, the parts a model marks `compile_region` (a layer's attention, its MoE: common/engine/compile_region.py)
+a graph, the parts a model marks `compile_region` (V4's attention, MoE: common/engine/compile_region.py)
 are generated once per kind of layer, not once per layer. The
 GEMMs stay the oneDNN-packed ones of common/cpu_gemm.py, as opaque custom ops, and so does the MoE's expert loop
 (its host split is no device sync on CPU), MoE offload's host experts (common/offload: a submit op and a sync op,

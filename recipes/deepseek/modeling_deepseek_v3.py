@@ -51,7 +51,6 @@ from torch import nn
 
 from common import ops
 from common import parallel as par
-from common.engine.compile_region import compile_region
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_contract import ModelContract
 from common.kv_cache import CacheGroupSpec, CacheTensorSpec, check_cache_tensors
@@ -278,7 +277,6 @@ class MLAttention(nn.Module):
         self.kv_cache = None  # [num_blocks, block_size, 1, R + Dr]
         self.mode = "auto"
 
-    @compile_region  # one subgraph for every layer (one more for V3.2's indexed ones)
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
         """x [T, D] -> [T, D] (summed over the heads of every attention-TP rank)"""
         T, H = x.shape[0], self.heads
@@ -388,7 +386,6 @@ class MoE(nn.Module):
         shared = args.moe_intermediate_size * args.n_shared_experts
         self.shared_experts = MLP(args, args.hidden_size, shared) if shared else None
 
-    @compile_region  # one subgraph for every MoE layer
     def forward(self, x: torch.Tensor, uniform: bool = False) -> torch.Tensor:
         """x [T, D] (the same on every attention-TP rank) -> [T, D]. uniform: every rank runs T tokens (a
         graph-mode step), so the expert dispatch exchanges fixed-capacity buffers (no split read on the host)."""
