@@ -39,11 +39,9 @@ def tcmalloc_loaded() -> bool:
 
 def reexec_with_tcmalloc() -> None:
     """Restart this program with tcmalloc preloaded (see the module docstring); returns where it does not: already
-    loaded, none installed, NPU_COOKBOOK_MALLOC=glibc, or no /proc (not Linux)."""
+    loaded, none installed, or NPU_COOKBOOK_MALLOC=glibc."""
     path = tcmalloc_path()
-    if os.environ.get(ENV, "").lower() == "glibc" or REEXEC in os.environ or path is None:
-        return
-    if not Path("/proc/self/maps").exists() or tcmalloc_loaded():
+    if os.environ.get(ENV, "").lower() == "glibc" or REEXEC in os.environ or path is None or tcmalloc_loaded():
         return
     preload = " ".join(p for p in (path, os.environ.get("LD_PRELOAD", "")) if p)
     sys.stdout.flush()
