@@ -9,7 +9,12 @@ shape of the step is the bucket's alone (the model reads no tensor on the host: 
 step (prefill, mixed prefill + decode, an MTP step whose drafts were cut short) runs eager.
 
 CPU: each bucket is `torch.compile(fullgraph=True, dynamic=False)` (inductor), compiled at start-up, one bucket
-after the other under a progress bar, by a step over padding alone (padding writes only to the null block). Within
+after the other under a progress bar, by a step over padding alone (padding writes only to the null block). On one
+rank with one token a sequence (`shape_generic`), the buckets above 1 share one graph, as vLLM compiles one graph
+over a symbolic token count: the largest bucket is traced with its batch dimension marked dynamic
+(`mark_batch_dynamic`), the others reuse it; bucket 1 has a static graph of its own (dynamo specialises size 1).
+With MTP (inductor failed to generate a region over T = (1 + k) B) and over several ranks (the collectives size
+their buffers on the host) every bucket has its own graph. Within
 a graph, the parts a model marks `compile_region` (V4's attention, MoE: common/engine/compile_region.py)
 are generated once per kind of layer, not once per layer. The
 GEMMs stay the oneDNN-packed ones of common/cpu_gemm.py, as opaque custom ops, and so does the MoE's expert loop
@@ -72,6 +77,14 @@ def graph_capable(device: torch.device) -> bool:
     return device.type in ("cpu", "cuda")
 
 
+def mark_batch_dynamic(batch: ForwardBatch) -> None:
+    """Mark the batch dimension of every per-sequence and per-token input dynamic, so that dynamo traces the graph
+    over a symbolic batch size (any size above 1: dynamo specialises 0 and 1) instead of this batch's."""
+    for t in (batch.input_ids, batch.positions, batch.seq_ids, batch.cu_seqlens_q, batch.seq_lens,
+              *batch.block_tables.values(), *batch.slot_mapping.values()):
+        torch._dynamo.mark_dynamic(t, 0)
+
+
 def decode_step(model, mtp, batch: ForwardBatch):
     """What a bucket runs: the logits of every row [T, V] (T = bucket * query_len) and, where the MTP drafts need
     them (mtp: the model's MTPDraftModel, else None), the residual streams [T, n, D]."""
@@ -104,13 +117,14 @@ class GraphRunner:
         self.device = device
         self.replays = dict.fromkeys(self.sizes, 0)  # bucket -> steps it ran
         self.capture_seconds: float | None = None
+        self.num_graphs: int | None = None  # after `capture`: the graphs compiled for the buckets
         self.calibration: dict[int, tuple[float, float]] = {}  # exe_mode auto: bucket -> (graph, eager) seconds
         # every rank of the model (its layout is the process group's world): they agree on the buckets kept
         self.world = torch.distributed.group.WORLD if parallel is not None and parallel.world_size > 1 else None
         mtp = contract.mtp if keep_streams else None
         self._mtp = mtp
-        self._compiled = torch.compile(lambda batch: decode_step(model, mtp, batch),
-                                       fullgraph=True, dynamic=False, options=inductor_options())
+        self._step = lambda batch: decode_step(model, mtp, batch)
+        self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False, options=inductor_options())
         self._model = model
         self._inputs: dict[int, ForwardBatch] = {}  # bucket -> the buffers its graph reads (each step copied in)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # CUDA: bucket -> its captured graph
@@ -155,21 +169,44 @@ class GraphRunner:
                                   pad_to=bucket or self.bucket(len(new_tokens)), table_width=self.table_width,
                                   max_seqlen_k=self.max_seqlen_k, state_groups=self.state_groups)
 
+    @property
+    def shape_generic(self) -> bool:
+        """Whether the buckets above 1 share one graph over a symbolic batch size (CPU, one rank, one token a
+        sequence, two or more such buckets); else every bucket compiles a graph of its own."""
+        return (self.device.type == "cpu" and self.world is None and self.dp_group is None and self.query_len == 1
+                and sum(n > 1 for n in self.sizes) > 1)
+
+    def compile_order(self) -> list[int]:
+        """The buckets in the order `capture` compiles them: CUDA the largest first (its memory pool); shape-generic
+        bucket 1 (static), then the largest (traced generic), then the rest (reusing it); else the smallest first."""
+        if self.device.type == "cuda":
+            return sorted(self.sizes, reverse=True)
+        if not self.shape_generic:
+            return sorted(self.sizes)
+        rest = sorted(n for n in self.sizes if 1 < n < max(self.sizes))
+        return [n for n in self.sizes if n == 1] + [max(self.sizes)] + rest
+
     @torch.inference_mode()
     def capture(self, show_progress: bool = True) -> None:
         """Compile every bucket now, by a step over padding alone; on CUDA then capture it (largest bucket first,
         the smaller ones in its memory pool, as vLLM does), after that step warmed it up."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
         start = time.perf_counter()
         cuda = self.device.type == "cuda"
+        compiled_before = len(_debug_get_cache_entry_list(self._step.__code__))  # every graph engine's, so far
         # one compiled graph per bucket, for every engine of the process: dynamo counts them all against the code
         # of decode_step's lambda (the default limit, 8, would turn a second graph engine's buckets eager)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
-            for n in tqdm(sorted(self.sizes, reverse=cuda), desc="compile decode graphs", unit="bucket",
+            for n in tqdm(self.compile_order(), desc="compile decode graphs", unit="bucket",
                           disable=not show_progress):
                 self._inputs[n] = self.padding(n)
+                if self.shape_generic and n == max(self.sizes):
+                    mark_batch_dynamic(self._inputs[n])  # the other buckets above 1 then reuse its graph
                 self._compiled(self._inputs[n])
                 if cuda:
                     self._capture_cuda(n)
+        self.num_graphs = len(_debug_get_cache_entry_list(self._step.__code__)) - compiled_before
         self.capture_seconds = time.perf_counter() - start
 
     @torch.inference_mode()

@@ -93,10 +93,11 @@ def main():
         for b, c in tqdm(cells, desc=f"{name} decode steps", unit="cell"):
             rows[b, c] = tuple(decode_ms(llm, b, c, a.steps, a.repeats, tok.vocab_size) for llm in (eager, graph))
         kept = graphs.calibrate()
-        tables[name] = rows, graphs.capture_seconds, dict(graphs.calibration), kept
+        tables[name] = rows, graphs.capture_seconds, graphs.num_graphs, dict(graphs.calibration), kept
         del eager, graph, graphs
-    for name, (rows, compile_s, calibration, kept) in tables.items():
-        print(f"\n{name}: graph buckets {a.batches} compiled in {compile_s:.0f} s; decode step ms (eager / graph)")
+    for name, (rows, compile_s, num_graphs, calibration, kept) in tables.items():
+        print(f"\n{name}: graph buckets {a.batches} compiled as {num_graphs} graphs in {compile_s:.0f} s; decode step "
+              "ms (eager / graph)")
         print(f"{'batch':>6}" + "".join(f"{f'ctx {c} eager':>16}{'graph':>8}{'ratio':>8}" for c in a.contexts))
         for b in a.batches:
             print(f"{b:>6}" + "".join(f"{rows[b, c][0]:>16.1f}{rows[b, c][1]:>8.1f}"

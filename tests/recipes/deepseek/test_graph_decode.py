@@ -2,11 +2,11 @@
 
 fp32, the tiny checkpoint with index_topk 4: the CSA indexer's top-k binds (the sequences here end with 13-18
 compressed entries, (prompt + output) / 4), so the graph's fixed-width top-k must select exactly what eager does.
-One graph engine (buckets 1 and 4, compiled once for the module: the CPU compile is the slow part) serves
-every scenario, with chunked prefill (8 tokens a step) and a cache small enough to preempt. The checkpoint has
-3 Sinkhorn iterations (hc_sinkhorn_iters, 20 in the tiny config) because the compiled graph unrolls every one:
-graph == eager holds for any count, and the 20-iteration path is checked eager against transformers
-(test_parity_transformers.py).
+One graph engine (buckets 1, 2 and 4, compiled once for the module: the CPU compile is the slow part; 2 and 4
+share one graph over a symbolic batch size) serves every scenario, with chunked prefill (8 tokens a step) and a
+cache small enough to preempt. The checkpoint has 3 Sinkhorn iterations (hc_sinkhorn_iters, 20 in the tiny
+config) because the compiled graph unrolls every one: graph == eager holds for any count, and the 20-iteration
+path is checked eager against transformers (test_parity_transformers.py).
 """
 import pytest
 import torch
@@ -19,7 +19,7 @@ from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
 PROMPT_LENGTHS = (5, 13, 37, 22)
-MAX_TOKENS = (60, 40, 20, 50)  # unequal: the batch shrinks 4 -> 3 -> 2 -> 1 (buckets 4, 4, 4, 1)
+MAX_TOKENS = (60, 40, 20, 50)  # unequal: the batch shrinks 4 -> 3 -> 2 -> 1 (buckets 4, 4, 2, 1)
 ENGINE = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=8, num_blocks=12)
 
 
@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
     prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     tok = AutoTokenizer.from_pretrained(path)
     eager = LLM(load_model(path, torch.float32), tok, **ENGINE)
-    graph = LLM(load_model(path, torch.float32), tok, exe_mode="graph", graph_capture_sizes=(1, 4), **ENGINE)
+    graph = LLM(load_model(path, torch.float32), tok, exe_mode="graph", graph_capture_sizes=(1, 2, 4), **ENGINE)
     return eager, graph, prompts, path
 
 
@@ -53,7 +53,8 @@ def test_graph_decode_equals_eager_with_chunked_prefill_and_preemption(setup):
     got = graph.generate(prompts, params, use_tqdm=False)
     assert_same(want, got)
     runs = {n: graph.engine.runner.graphs.replays[n] - before[n] for n in before}
-    assert runs[1] > 0 and runs[4] > 0  # every bucket ran decode steps
+    assert runs[1] > 0 and runs[2] > 0 and runs[4] > 0  # every bucket ran decode steps
+    assert graph.engine.runner.graphs.num_graphs == 2  # bucket 1's, and one over the batch size for 2 and 4
     assert graph.engine.scheduler.num_preemptions > 0 and eager.engine.scheduler.num_preemptions > 0
     assert max(graph.engine.stats.recent_step_tokens) <= 8  # prompts went in chunks beside the decodes
     assert graph.engine.kv_cache.all_blocks_free() and eager.engine.kv_cache.all_blocks_free()
@@ -86,9 +87,9 @@ def test_auto_mode_runs_the_buckets_whose_graph_won_its_timing_and_equals_eager(
     buckets are the graph engine's, so inductor's disk cache holds their code.)"""
     eager, _, prompts, path = setup
     auto = LLM(load_model(path, torch.float32), AutoTokenizer.from_pretrained(path), exe_mode="auto",
-               graph_capture_sizes=(1, 4), **ENGINE)
+               graph_capture_sizes=(1, 2, 4), **ENGINE)
     graphs = auto.engine.runner.graphs
-    assert set(graphs.calibration) == {1, 4} and all(g > 0 and e > 0 for g, e in graphs.calibration.values())
+    assert set(graphs.calibration) == {1, 2, 4} and all(g > 0 and e > 0 for g, e in graphs.calibration.values())
     assert graphs.buckets == tuple(n for n, (g, e) in graphs.calibration.items() if g < e)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
     assert_same(eager.generate(prompts, params, use_tqdm=False), auto.generate(prompts, params, use_tqdm=False))
@@ -155,6 +156,24 @@ def test_graph_mode_refuses_a_device_it_cannot_capture_on(setup):
     with pytest.raises(ValueError, match="not on meta.*exe_mode eager"):
         model = load_model(path, torch.float32)
         GraphRunner(model, model.engine_contract(), config, ["g"], torch.device("meta"), keep_streams=False)
+
+
+def test_buckets_above_one_share_a_graph_only_where_a_step_is_one_token_a_sequence(setup):
+    """The compile order: bucket 1 (static), then the largest (traced over a symbolic batch size), then the rest,
+    which reuse its graph; with MTP (1 + k tokens a sequence) or one bucket above 1, a graph per bucket."""
+    from common.engine.graph_runner import GraphRunner
+    *_, path = setup
+    model = load_model(path, torch.float32)
+
+    def runner(**config):
+        resolved = EngineConfig(exe_mode="graph", max_num_seqs=8, **config).resolve(1024)
+        return GraphRunner(model, model.engine_contract(), resolved, ["g"], torch.device("cpu"), keep_streams=False)
+
+    generic = runner(graph_capture_sizes=(1, 2, 4, 8))
+    assert generic.shape_generic and generic.compile_order() == [1, 8, 2, 4]
+    for per_bucket in (runner(graph_capture_sizes=(1, 2, 4, 8), num_speculative_tokens=1),
+                       runner(graph_capture_sizes=(1, 8))):
+        assert not per_bucket.shape_generic and per_bucket.compile_order() == sorted(per_bucket.sizes)
 
 
 def test_capture_sizes_default_to_powers_of_two_and_max_num_seqs():
