@@ -122,14 +122,16 @@ def _grouped_matmul(x: torch.Tensor, weights: list[torch.Tensor], tokens_per_exp
 
 
 def _expert_loop(x: torch.Tensor, weights: list[torch.Tensor], tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """weights: [the dense stack [E, N, K]] or E oneDNN-packed [N, K] weights."""
+    """weights: [the dense stack [E, N, K]] or E oneDNN-packed [N, K] weights. One GEMM per expert with rows, the
+    results concatenated (one copy, not one per expert)."""
     packed = len(weights) > 1 or weights[0].is_mkldnn
-    out = x.new_empty(x.shape[0], weights[0].shape[-2])  # [M, N]
-    ends = tokens_per_expert.cumsum(0).tolist()
-    for e, (start, end) in enumerate(zip([0] + ends, ends)):
-        if end > start:
-            out[start:end] = cpu_gemm.linear(x[start:end], weights[e]) if packed else x[start:end] @ weights[0][e].T
-    return out
+    counts = tokens_per_expert.tolist()
+    routed, N = sum(counts), weights[0].shape[-2]
+    outs = [cpu_gemm.linear(rows, weights[e]) if packed else rows @ weights[0][e].T
+            for e, rows in enumerate(x[:routed].split(counts)) if rows.shape[0]]  # [M_e, N] each
+    if routed < x.shape[0]:  # rows past the routed ones (a fixed-capacity dispatch buffer): left unset
+        outs.append(x.new_empty(x.shape[0] - routed, N))
+    return torch.cat(outs) if outs else x.new_empty(0, N)  # [M, N]
 
 
 @_grouped_matmul.register_fake
