@@ -20,8 +20,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0  # MTP drafts per decode step (the model's `mtp` blocks); 0: off
-    exe_mode: str = "eager"  # "graph": decode steps run as a graph captured per batch size (graph_runner.py);
-    #   "auto": graph mode's buckets where, timed at start-up, a graph beats the eager step (eager where no graph runs)
+    exe_mode: str = "eager"  # "graph": decode steps run as graphs compiled per batch bucket (graph_runner.py);
+    #   "auto": graph mode's buckets where a graph beats the eager step, timed on its first steps (over ranks: at
+    #   start-up); eager where no graph runs
     graph_capture_sizes: tuple[int, ...] | None = None  # decode batch buckets; None: 1, 2, 4, .. and max_num_seqs
     # the encoder stage (images): rows a step may encode, and rows the encoder cache holds (vLLM's names; None: both
     # max_num_batched_tokens). An image must fit both: a longer one is refused when it is submitted.

@@ -38,8 +38,12 @@ the largest bucket first, the others in its memory pool). Not run in this reposi
 NPU: refused (the fused attention takes its sequence lengths as host lists, which a captured graph would freeze).
 
 exe_mode auto: where graph mode runs (CPU, CUDA), the buckets are compiled as above, then each is timed against
-the eager forward of the same sequences at start-up (`calibrate`), and only the buckets whose graph is faster run
-as graphs; elsewhere (NPU) auto is eager.
+eager, and only the buckets whose graph is faster run as graphs; elsewhere (NPU) auto is eager. On one rank the
+timing is of real decode steps (`trial_mode` / `record`): a bucket's first steps alternate between its graph and the
+eager forward until each has run TRIAL_STEPS of them, then the faster mode keeps the bucket. Over several ranks it is
+a start-up timing of padding steps (`calibrate`), which every rank agrees on. (Padding steps timed outside the
+engine's step misjudged: V3's graph ran them slower than eager though it wins every real step, see the deepseek
+recipe's BENCHMARKS.md, "Graph mode".)
 
 Over several ranks (TP / DP / EP, gloo on CPU) the collectives are traced into the graph (torch's functional
 collectives), and every step the data-parallel ranks agree on one bucket or on eager (`step_bucket`); a graph
@@ -61,6 +65,7 @@ from .model_contract import ModelContract
 
 
 RECOMPILE_LIMIT = 256  # compiled decode graphs a process may hold, all graph engines together
+TRIAL_STEPS = 3  # exe_mode auto on one rank: real steps of a bucket timed in each mode before one is kept
 
 
 def inductor_options() -> dict:
@@ -119,6 +124,7 @@ class GraphRunner:
         self.capture_seconds: float | None = None
         self.num_graphs: int | None = None  # after `capture`: the graphs compiled for the buckets
         self.calibration: dict[int, tuple[float, float]] = {}  # exe_mode auto: bucket -> (graph, eager) seconds
+        self.trials: dict[int, dict[str, list[float]]] = {}  # auto, one rank: bucket -> mode -> its steps' seconds
         # every rank of the model (its layout is the process group's world): they agree on the buckets kept
         self.world = torch.distributed.group.WORLD if parallel is not None and parallel.world_size > 1 else None
         mtp = contract.mtp if keep_streams else None
@@ -211,7 +217,8 @@ class GraphRunner:
 
     @torch.inference_mode()
     def calibrate(self, repeats: int = 3) -> tuple[int, ...]:
-        """exe_mode auto, after `capture`: time each bucket's graph against the eager forward of the same sequences
+        """exe_mode auto over several ranks, after `capture` (one rank: `start_trials`; bench_graph.py prints it too):
+        time each bucket's graph against the eager forward of the same sequences
         (padding: the weights, dispatch and fused ops of a decode step; attention reads no padded keys on CPU
         either way), the best of `repeats` alternating runs each, and keep the buckets where the graph is faster;
         a dropped bucket's steps run eager. Every rank keeps a bucket only if it is faster on all of them (their
@@ -237,6 +244,32 @@ class GraphRunner:
                 self._graphs.pop(n, None)
         self.replays = dict.fromkeys(self.sizes, 0)  # the calibration's runs are not steps
         return self.buckets
+
+    def start_trials(self) -> None:
+        """exe_mode auto on one rank, after `capture`: every bucket's first real decode steps are timed in both
+        modes (`trial_mode`, `record`) before it keeps the faster one."""
+        if self.world is not None or self.dp_group is not None:
+            raise ValueError("trials time one rank's own steps; over several ranks, calibrate")
+        self.trials = {n: {"graph": [], "eager": []} for n in self.buckets}
+
+    def trial_mode(self, bucket: int) -> str | None:
+        """The mode a step of `bucket` runs while its trial lasts ("graph" or "eager", alternating), else None."""
+        if (trial := self.trials.get(bucket)) is None:
+            return None
+        return "graph" if len(trial["graph"]) <= len(trial["eager"]) else "eager"
+
+    def record(self, bucket: int, mode: str, seconds: float) -> None:
+        """A trial step's time; after TRIAL_STEPS in each mode, the bucket runs as a graph only if its best graph
+        step beat its best eager step (`calibration` keeps the two)."""
+        trial = self.trials[bucket]
+        trial[mode].append(seconds)
+        if min(map(len, trial.values())) < TRIAL_STEPS:
+            return
+        self.calibration[bucket] = graph, eager = min(trial["graph"]), min(trial["eager"])
+        del self.trials[bucket]
+        if graph >= eager:
+            self._inputs.pop(bucket)
+            self._graphs.pop(bucket, None)
 
     def _capture_cuda(self, n: int) -> None:
         self._compiled(self._inputs[n])  # a second warm-up: what the first call allocated lazily is there now

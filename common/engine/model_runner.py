@@ -1,6 +1,7 @@
 """Owns the model and its caches; turns a scheduled step into one packed forward and the logits to sample."""
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -117,8 +118,11 @@ class ModelRunner:
             self.graphs = GraphRunner(model, contract, config, [s.name for s in self.specs], self.device,
                                       keep_streams, self.state_groups)
             self.graphs.capture()
-            if config.exe_mode == "auto":
-                self.graphs.calibrate()  # the buckets whose graph is slower than eager here run eager
+            if config.exe_mode == "auto":  # the buckets whose graph is slower than eager here run eager
+                if self.graphs.world is None and self.graphs.dp_group is None:
+                    self.graphs.start_trials()  # timed on its first real steps
+                else:
+                    self.graphs.calibrate()  # timed now, on padding steps, agreed by every rank
 
     def check_caches(self) -> None:
         """RuntimeError when the model's caches are no longer the ones this runner allocated: another engine on the
@@ -173,7 +177,20 @@ class ModelRunner:
             fits = self.graphs.fits([s.num_new_tokens for s in scheduled]) and not any(
                 s.prompt_logprob_positions for s in scheduled) and mm_rows is None
             if (bucket := self.graphs.step_bucket(len(scheduled), fits)) is not None:
-                return self._execute_graph(scheduled, new_tokens, block_tables, bucket)
+                if (mode := self.graphs.trial_mode(bucket)) is None:
+                    return self._execute_graph(scheduled, new_tokens, block_tables, bucket)
+                start = time.perf_counter()  # exe_mode auto: this bucket's trial, real steps in each mode
+                if mode == "graph":
+                    output = self._execute_graph(scheduled, new_tokens, block_tables, bucket)
+                else:
+                    output = self._execute_eager(scheduled, new_tokens, block_tables, mm_rows, mm_embeds)
+                self.graphs.record(bucket, mode, time.perf_counter() - start)
+                return output
+        return self._execute_eager(scheduled, new_tokens, block_tables, mm_rows, mm_embeds)
+
+    def _execute_eager(self, scheduled: list[ScheduledRequest], new_tokens: list[list[int]],
+                       block_tables: list[dict[str, list[int]]], mm_rows: torch.Tensor | None,
+                       mm_embeds: torch.Tensor | None) -> ModelRunnerOutput:
         batch = ForwardBatch.build(new_tokens, [s.start for s in scheduled], block_tables, self.config.block_size,
                                    self.device, state_groups=self.state_groups)
         batch.mm_rows, batch.mm_embeds = mm_rows, mm_embeds

@@ -38,9 +38,9 @@ def add_model_args(p: ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="overrides the preset's dtype")
     p.add_argument("--speculative-tokens", type=int, metavar="K", help="MTP speculative decoding with K drafts a "
                    "step (overrides the preset's speculative.num_speculative_tokens; 0: off)")
-    p.add_argument("--exe-mode", choices=EXE_MODES, help="graph: decode steps as graphs compiled per batch size at "
-                   "start-up; auto: graph where, timed at start-up, a bucket's graph beats eager (overrides the "
-                   "preset's exe_mode; default eager)")
+    p.add_argument("--exe-mode", choices=EXE_MODES, help="graph: decode steps as graphs compiled at start-up; auto: "
+                   "graph where a bucket's graph beats eager, timed on its first decode steps (over ranks: at "
+                   "start-up) (overrides the preset's exe_mode; default eager)")
     g = p.add_argument_group("MoE offload (overrides the preset's moe_offload)")
     g.add_argument("--offload-experts", type=int, metavar="N", help="N resident experts per MoE layer on the "
                    "device, the others computed on the host CPU in MXFP4 (one process)")

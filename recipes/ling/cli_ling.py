@@ -43,9 +43,9 @@ def add_model_args(p: ArgumentParser) -> None:
     p.add_argument("--speculative-tokens", type=int, metavar="K", help="MTP speculative decoding with K drafts a "
                    "step from the checkpoint's MTP layer (overrides the preset's speculative.num_speculative_tokens; "
                    "0: off)")
-    p.add_argument("--exe-mode", choices=EXE_MODES, help="graph: decode steps as graphs compiled per batch size at "
-                   "start-up; auto: graph where, timed at start-up, a bucket's graph beats eager (overrides the "
-                   "preset's exe_mode; default eager)")
+    p.add_argument("--exe-mode", choices=EXE_MODES, help="graph: decode steps as graphs compiled at start-up; auto: "
+                   "graph where a bucket's graph beats eager, timed on its first decode steps (over ranks: at "
+                   "start-up) (overrides the preset's exe_mode; default eager)")
 
 
 def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:

@@ -81,20 +81,26 @@ def test_seeded_sampling_in_graph_mode_equals_eager(setup):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-def test_auto_mode_runs_the_buckets_whose_graph_won_its_timing_and_equals_eager(setup):
-    """exe_mode auto times each compiled bucket against the eager forward at start-up and keeps the faster graphs:
-    the buckets it runs are exactly those, steps of the others run eager, and the outputs are eager's. (The
-    buckets are the graph engine's, so inductor's disk cache holds their code.)"""
+def test_auto_mode_runs_the_buckets_whose_graph_won_its_trial_and_equals_eager(setup):
+    """exe_mode auto on one rank times each bucket's first real decode steps in both modes, alternating, and keeps
+    its graph only if the graph's best step beat eager's: before the trials nothing is decided; after them the
+    buckets that run as graphs are exactly the winners, the others' steps run eager, and every output is eager's.
+    (The buckets are the graph engine's, so inductor's disk cache holds their code.)"""
+    from common.engine.graph_runner import TRIAL_STEPS
     eager, _, prompts, path = setup
     auto = LLM(load_model(path, torch.float32), AutoTokenizer.from_pretrained(path), exe_mode="auto",
                graph_capture_sizes=(1, 2, 4), **ENGINE)
     graphs = auto.engine.runner.graphs
-    assert set(graphs.calibration) == {1, 2, 4} and all(g > 0 and e > 0 for g, e in graphs.calibration.values())
-    assert graphs.buckets == tuple(n for n, (g, e) in graphs.calibration.items() if g < e)
+    assert not graphs.calibration and set(graphs.trials) == {1, 2, 4}
+    assert graphs.trial_mode(4) == "graph"  # a trial starts with the graph
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
     assert_same(eager.generate(prompts, params, use_tqdm=False), auto.generate(prompts, params, use_tqdm=False))
-    assert all(graphs.replays[n] > 0 for n in graphs.buckets)  # the 4-, 3-, 2- and 1-sequence decode steps
-    assert all(graphs.replays[n] == 0 for n in graphs.sizes if n not in graphs.buckets)
+    assert graphs.calibration and all(g > 0 and e > 0 for g, e in graphs.calibration.values())
+    assert all(len(graphs.trials[n]["graph"]) + len(graphs.trials[n]["eager"]) < 2 * TRIAL_STEPS for n in graphs.trials)
+    decided = set(graphs.calibration)
+    assert decided.isdisjoint(graphs.trials) and decided | set(graphs.trials) == {1, 2, 4}
+    assert set(graphs.buckets) == {n for n, (g, e) in graphs.calibration.items() if g < e} | set(graphs.trials)
+    assert all(graphs.replays[n] >= TRIAL_STEPS for n in decided)  # every decided bucket ran its graph steps
     assert auto.engine.kv_cache.all_blocks_free()
 
 
