@@ -176,10 +176,15 @@ class GraphRunner:
                                   max_seqlen_k=self.max_seqlen_k, state_groups=self.state_groups)
 
     @property
+    def one_rank(self) -> bool:
+        """Whether the model runs on this process alone (no collective in its steps)."""
+        return self.world is None and self.dp_group is None
+
+    @property
     def shape_generic(self) -> bool:
         """Whether the buckets above 1 share one graph over a symbolic batch size (CPU, one rank, one token a
         sequence, two or more such buckets); else every bucket compiles a graph of its own."""
-        return (self.device.type == "cpu" and self.world is None and self.dp_group is None and self.query_len == 1
+        return (self.device.type == "cpu" and self.one_rank and self.query_len == 1
                 and sum(n > 1 for n in self.sizes) > 1)
 
     def compile_order(self) -> list[int]:
@@ -248,7 +253,7 @@ class GraphRunner:
     def start_trials(self) -> None:
         """exe_mode auto on one rank, after `capture`: every bucket's first real decode steps are timed in both
         modes (`trial_mode`, `record`) before it keeps the faster one."""
-        if self.world is not None or self.dp_group is not None:
+        if not self.one_rank:
             raise ValueError("trials time one rank's own steps; over several ranks, calibrate")
         self.trials = {n: {"graph": [], "eager": []} for n in self.buckets}
 

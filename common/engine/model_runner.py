@@ -119,7 +119,7 @@ class ModelRunner:
                                       keep_streams, self.state_groups)
             self.graphs.capture()
             if config.exe_mode == "auto":  # the buckets whose graph is slower than eager here run eager
-                if self.graphs.world is None and self.graphs.dp_group is None:
+                if self.graphs.one_rank:
                     self.graphs.start_trials()  # timed on its first real steps
                 else:
                     self.graphs.calibrate()  # timed now, on padding steps, agreed by every rank
