@@ -10,10 +10,10 @@ compiled once; a call that differs (another kind of layer) compiles a variant, u
 Regions do not nest (dynamo fails on a region inside a region): mark the parts a layer repeats, not the layer and
 its parts. Outside torch.compile (eager, NPU, the vLLM plugin) the mark calls the function as it is.
 
-Measure the steps before marking a model: DeepSeek-V4 marks its parts (its 7 graph buckets compile in 248 s
-instead of ~700); DeepSeek-V3 does not, because its decode graph with the marks ran slower in bench.py (Xeon,
-bf16, 2026-12-05: batch 1 / 16 / mixed 43.2 / 344.6 / 373.9 tok/s with them, 59.7 / 398.5 / 442.6 without) and
-compiled no faster with them (its 7 buckets cold: 105 s with, 95 s without).
+Measure the steps before marking a model: DeepSeek-V4 marks its parts (with a graph per bucket its 7 buckets
+compiled in 248 s instead of ~700, estimated); DeepSeek-V3 does not, because its decode graph with the marks ran
+slower in bench.py (Xeon, bf16, 2026-12-05: batch 1 / 16 / mixed 43.2 / 344.6 / 373.9 tok/s with them, 59.7 /
+398.5 / 442.6 without) and compiled no faster with them (its 7 buckets cold: 105 s with, 95 s without).
 """
 from __future__ import annotations
 
