@@ -2,15 +2,11 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch.multiprocessing as mp
 
+from ports import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, port: int, fn, args) -> None:

@@ -1,6 +1,5 @@
 """common.parallel: layout invariants, group membership, torchrun env handling, and a real 2x2 torchrun world."""
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,14 +12,10 @@ import torch.distributed as dist
 
 from common import parallel
 from common.parallel import ParallelLayout
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_layout_invariants():
@@ -109,7 +104,7 @@ def test_torchrun_world_of_four(tmp_path):
 @pytest.mark.slow
 def test_missing_rank_times_out_instead_of_hanging(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NPU_COOKBOOK_DEVICE": "cpu", "RANK": "0", "WORLD_SIZE": "2",
-           "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     code = "from common import parallel; parallel.init_parallel(timeout_s=2)"
     start = time.monotonic()
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)

@@ -4,7 +4,6 @@ import copy
 import email.message
 import json
 import random
-import socket
 import threading
 import time
 import urllib.error
@@ -19,6 +18,7 @@ from common.engine import EngineConfig, LLMEngine
 from common.serving import AsyncLLMEngine
 from common.serving.api_server import build_app
 from chat_format_deepseek_v4 import DeepseekV4ChatFormat
+from ports import free_port
 
 MODEL = "tiny-deepseek-v4"
 API_KEY = "test-key"
@@ -29,11 +29,6 @@ def own_model(loaded_model):
     never share a model."""
     return copy.deepcopy(loaded_model[0]), loaded_model[1]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

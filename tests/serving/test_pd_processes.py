@@ -16,7 +16,8 @@ from openai import OpenAI
 
 from common.engine import LLM, SamplingParams
 
-from serving_harness import free_port, http
+from ports import free_port_run
+from serving_harness import http
 from test_serve_subprocess import RUN_SH, several_instances, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +84,8 @@ class Instance:
 
 @pytest.mark.slow
 def test_a_side_that_dies_ends_its_requests_and_frees_the_other_side(checkpoint, tmp_path):
-    p_port, d_port, r_port = free_port(), free_port(), free_port()
+    base = free_port_run(3)
+    p_port, d_port, r_port = base, base + 1, base + 2
     p_url, d_url, url = (f"http://127.0.0.1:{x}" for x in (p_port, d_port, r_port))
     preset = tmp_path / "tiny-chunk16.yaml"  # P prefills a long prompt in many chunks: time to kill a side meanwhile
     preset.write_text((RUN_SH.parent / "configs" / "tiny-cpu.yaml").read_text().replace(
@@ -149,7 +151,8 @@ def test_pd_over_multi_rank_instances_equals_one_process(checkpoint, model_and_t
     """P on two attention-TP ranks, D on two DP ranks with expert parallelism (torchrun, gloo): requests spread over
     D's DP ranks, each prefilled by P's ranks and written into the D rank that holds it; greedy answers equal the
     single-process engine's, and the pools rank 0 reports are full afterwards."""
-    p_port, d_port, r_port = free_port(), free_port(), free_port()
+    base = free_port_run(3)
+    p_port, d_port, r_port = base, base + 1, base + 2
     p_url, d_url, url = (f"http://127.0.0.1:{x}" for x in (p_port, d_port, r_port))
     common = ["--weights", str(checkpoint), "--dtype", "fp32", "--served-model-name", "tiny"]
     instances = [

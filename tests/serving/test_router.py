@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 
@@ -20,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from common.serving.router import build_router
+from ports import free_port
 
 try:
     import httpx2 as httpx
@@ -28,11 +28,6 @@ except ImportError:  # pragma: no cover
 
 KEY = "Bearer sk-test"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

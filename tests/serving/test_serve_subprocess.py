@@ -1,9 +1,7 @@
 """`bash recipes/deepseek/run.sh --serve` as a user runs it: listens, answers, and on SIGTERM drains and exits 0."""
 import contextlib
 import json
-import random
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -13,6 +11,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from ports import free_port_run
 from serving_harness import free_port, http
 
 RUN_SH = Path(__file__).resolve().parents[2] / "recipes" / "deepseek" / "run.sh"
@@ -75,7 +74,7 @@ def test_serve_bad_arguments_give_one_line_and_exit_2(args, needle):
 def several_instances(checkpoint, *mode):
     """`run.sh --serve <mode>` (--dp N, --pd P:D) on a free run of ports: yields (router url, client); SIGTERM at
     the end must stop every process with exit code 0."""
-    port = _free_port_run(3)  # router on port, instances on port + 1, port + 2
+    port = free_port_run(3)  # router on port, instances on port + 1, port + 2
     proc = subprocess.Popen(["bash", str(RUN_SH), "--serve", *mode, "--port", str(port), "--weights",
                              str(checkpoint), "--dtype", "fp32", "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -100,21 +99,6 @@ def test_serve_dp_starts_instances_behind_the_router(checkpoint):
         assert len(set(texts)) == 1  # same greedy answer from either instance
         stats = json.loads(http("GET", url + "/router/stats", timeout=5)[2])
         assert [u["served"] for u in stats["upstreams"]] == [2, 2]  # least outstanding, ties round robin
-
-
-def _free_port_run(n: int) -> int:
-    """A base port with n consecutive bindable ports, below the kernel's ephemeral range (no client sockets)."""
-    rng = random.Random()
-    for _ in range(100):
-        base = rng.randrange(20000, 30000)
-        try:
-            with contextlib.ExitStack() as stack:
-                for i in range(n):
-                    stack.enter_context(socket.socket()).bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free run of ports")
 
 
 @pytest.mark.slow

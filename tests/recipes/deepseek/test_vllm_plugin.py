@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ from transformers import AutoTokenizer
 import weights_deepseek_v3
 import weights_deepseek_v4
 from common.engine import LLM, SamplingParams
+from ports import free_port
 from tiny_deepseek_v3 import write_tiny_checkpoint as write_tiny_v3
 from tiny_deepseek_v4 import write_tiny_checkpoint as write_tiny_v4
 
@@ -91,11 +91,6 @@ def plugin_missing() -> str | None:
 
 pytestmark = pytest.mark.skipif(bool(reason := plugin_missing()), reason=reason or "")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def random_prompts(lengths, seed: int) -> list[list[int]]:

@@ -3,7 +3,6 @@
 template defines none), with one-line errors and exit code 2 for bad arguments."""
 import json
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -13,14 +12,11 @@ import openai
 import pytest
 from openai import OpenAI
 
+from ports import free_port
+
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "ling"
 RUN_SH = RECIPE / "run.sh"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120) -> None:

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ import torch
 from transformers import AutoTokenizer
 
 from common.engine import LLM, SamplingParams
+from ports import free_port
 from tiny_ling import write_tiny_checkpoint
 from weights_ling import load_model
 
@@ -100,11 +100,6 @@ def readme_serve_command() -> tuple[dict, list[str]]:
     env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
     return env, [w for w in words if not re.fullmatch(r"[A-Z_]+=\S*", w)]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
