@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import ops
+from common import cpu_moe, ops
 from common import parallel as par
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_contract import ModelContract
@@ -377,6 +377,7 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """This rank's E routed experts, stacked: gate_up_proj [E, gate | up, D], down_proj [E, D, I]; float, or int8
     with an fp32 scale per output channel (`gate_up_proj_scale` [E, 2I], `down_proj_scale` [E, D]) for w8a8."""
+    dense_pass_axes = {"gate_up_proj": "n", "down_proj": "k"}  # common.cpu_moe's dense pass over every expert
 
     def __init__(self, args: ModelArgs, E: int):
         super().__init__()
@@ -428,13 +429,18 @@ class MoE(nn.Module):
         else:  # no token to route here (an idle DP rank, a TP share of none); the dispatch below still meets the others
             weights = logits.new_zeros(0, a.num_experts_per_tok)  # [0, k]
             idx = torch.zeros(0, a.num_experts_per_tok, dtype=torch.int32, device=x.device)
+        shared = self.shared_experts(x_r) if self.shared_experts is not None else None
+        if self.ep_size == 1 and cpu_moe.takes(self.experts.gate_up_proj, self.experts.down_proj):  # CPU, packed
+            out = cpu_moe.fused_experts(x_r, self.experts.gate_up_proj, self.experts.down_proj, weights, idx)
+            if shared is not None:
+                out = (out.float() + shared.float()).to(out.dtype)  # [T_r, D]
+            return par.all_gather_v(out, [len(run) for run in runs], self.tp_group)  # [T, D]
         xs, row_idx, counts = ops.moe_init_routing(x_r, idx, a.n_routed_experts)  # [T_r*k, D] by global expert
         capacity = runs[0].shape[0] * a.num_experts_per_tok if uniform else None  # the largest share's rows
         xe, local_counts, handle = par.dispatch_to_experts(xs, counts, self.ep_group, capacity)  # [M, D]
         h = ops.swiglu(self.experts.matmul(xe, "gate_up_proj", local_counts))  # [M, I]
         y = par.combine_from_experts(self.experts.matmul(h, "down_proj", local_counts), handle,
                                      self.ep_group)  # [T_r*k, D]
-        shared = self.shared_experts(x_r) if self.shared_experts is not None else None
         out = ops.moe_finalize_routing(y, weights, row_idx, shared)  # [T_r, D]
         return par.all_gather_v(out, [len(run) for run in runs], self.tp_group)  # [T, D]
 

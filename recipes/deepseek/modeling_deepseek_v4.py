@@ -150,7 +150,7 @@ class Experts(nn.Module):
             if list(w.shape) != list(target.shape[1:]):
                 raise ValueError(f"{name} {list(w.shape)} does not fit a slot of {list(target.shape)}")
             if isinstance(target, cpu_gemm.PackedExperts):
-                target.experts[slot] = cpu_gemm.pack(w.to(target.dtype))
+                target.set_expert(slot, w)
             else:
                 target[slot].copy_(w)
 
