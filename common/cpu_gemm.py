@@ -28,6 +28,8 @@ from collections import Counter
 import torch
 from torch import nn
 
+from common.custom_op import direct_register_custom_op
+
 INFERENCE_ONLY = "packed for inference by common.cpu_gemm.pack_model: load weights before packing"
 
 
@@ -77,16 +79,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@torch.library.custom_op("npu_cookbook::packed_linear", mutates_args=())
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's linear on a packed weight (inductor's own oneDNN lowering expects a weight it froze itself, not one
     packed before, so a compiled graph calls this instead)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@_packed_linear.register_fake
-def _(x, packed, bias):
-    return x.new_empty(*x.shape[:-1], packed.shape[0])
+direct_register_custom_op("packed_linear", _packed_linear,
+                          lambda x, packed, bias: x.new_empty(*x.shape[:-1], packed.shape[0]))
 
 
 class PackedLinear(nn.Module):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from common import cpu_gemm
+from common.custom_op import direct_register_custom_op
 from common.ops.reference.moe import swiglu
 
 DENSE_MAX_ROWS = 16  # past this the dense pass's E / k times the FLOPs cost more than the calls it saves
@@ -108,13 +109,11 @@ def _fused_experts(x, w13: list[torch.Tensor], w2: list[torch.Tensor], w13_stack
     return per_expert(x, w13, w2, topk_weights, topk_ids, limit)
 
 
-@torch.library.custom_op("npu_cookbook::fused_experts", mutates_args=())
 def _fused_experts_op(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor],
                       w13_stacked: torch.Tensor | None, w2_stacked: torch.Tensor | None,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, limit: float | None) -> torch.Tensor:
     return _fused_experts(x, w13, w2, w13_stacked, w2_stacked, topk_weights, topk_ids, limit)
 
 
-@_fused_experts_op.register_fake
-def _(x, w13, w2, w13_stacked, w2_stacked, topk_weights, topk_ids, limit):
-    return x.new_empty(x.shape[0], w2[0].shape[0])
+direct_register_custom_op("fused_experts", _fused_experts_op,
+                          lambda x, w13, w2, *_: x.new_empty(x.shape[0], w2[0].shape[0]))

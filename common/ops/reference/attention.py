@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.custom_op import direct_register_custom_op
+
 
 MAX_DECODE_QUERIES = 8  # a decode step's queries per sequence: the new token and up to 7 MTP drafts verified
 
@@ -268,7 +270,6 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sli
     return out.reshape(B, Hq, -1), lse.reshape(B, Hq)
 
 
-@torch.library.custom_op("npu_cookbook::paged_decode", mutates_args=())
 def _paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,11 +279,13 @@ def _paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
 
 
-@_paged_decode_op.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+def _paged_decode_fake(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
     B, Hq = q.shape[:2]
     Dv = (k_cache if v_cache is None else v_cache).shape[-1]
     return q.new_empty(B, Hq, Dv, dtype=torch.float32), q.new_empty(B, Hq, dtype=torch.float32)
+
+
+direct_register_custom_op("paged_decode", _paged_decode_op, _paged_decode_fake)
 
 
 def _decode_fused(q, kp, vp, valid, scale: float):

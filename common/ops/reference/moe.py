@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from common import cpu_gemm
+from common.custom_op import direct_register_custom_op
 
 SCORE_FUNCS = {
     "softmax": lambda x: x.softmax(dim=-1),
@@ -116,7 +117,6 @@ def static_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expe
     return torch.einsum("mk,enk->emn", x, weight)[expert, rows]  # [E, M, N] -> [M, N]
 
 
-@torch.library.custom_op("npu_cookbook::grouped_matmul", mutates_args=())
 def _grouped_matmul(x: torch.Tensor, weights: list[torch.Tensor], tokens_per_expert: torch.Tensor) -> torch.Tensor:
     return _expert_loop(x, weights, tokens_per_expert)
 
@@ -134,9 +134,8 @@ def _expert_loop(x: torch.Tensor, weights: list[torch.Tensor], tokens_per_expert
     return torch.cat(outs) if outs else x.new_empty(0, N)  # [M, N]
 
 
-@_grouped_matmul.register_fake
-def _(x, weights, tokens_per_expert):
-    return x.new_empty(x.shape[0], weights[0].shape[-2])
+direct_register_custom_op("grouped_matmul", _grouped_matmul,
+                          lambda x, weights, tokens_per_expert: x.new_empty(x.shape[0], weights[0].shape[-2]))
 
 
 def swiglu(x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
