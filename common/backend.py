@@ -170,6 +170,15 @@ def cpu_bf16_kind() -> str:
     return "native" if instructions and not capped and aten_avx512 else "emulated"
 
 
+@functools.cache
+def onednn_amx() -> bool:
+    """Whether oneDNN runs its bf16 GEMMs on AMX here: native bf16 (cpu_bf16_kind), AMX tiles on the CPU, and
+    oneDNN's ISA cap, where one is set, an AMX one."""
+    cap = _onednn_isa_cap()
+    allowed = cap in ("", "ALL", "DEFAULT") or "AMX" in cap
+    return cpu_bf16_kind() == "native" and torch.cpu._is_amx_tile_supported() and allowed
+
+
 def cpu_model_name() -> str:
     """The CPU's model name as the OS reports it (for benches' headers)."""
     try:

@@ -7,9 +7,7 @@ before inference: the ModelRunner calls it once, after loading. It converts in p
 - every bf16 `nn.Linear` into a `PackedLinear` that holds its weight packed only (its bias stays a Parameter);
 - every stacked bf16 expert Parameter [E, N, K] into a `PackedExperts` (one packed weight per expert), which
   `ops.grouped_matmul` takes in place of the dense stack,
-and drops the dense bf16 weights: each weight is held once, so no copy can go stale (but for the expert stacks
-a model names for common.cpu_moe's dense pass where `stack_experts` is asked: those are also packed whole, and
-PackedExperts.set_expert repacks both).
+and drops the dense bf16 weights: each weight is held once, so no copy can go stale.
 After it the model is for inference only. The packed weights are no longer parameters (`named_parameters`,
 `load_weights` and optimizers do not see them, and a Parameter object kept from before is no longer read);
 `state_dict()` still gives them dense (the round trip is exact), `load_state_dict` raises; a conversion
@@ -22,12 +20,12 @@ AVX512-BW/VL/DQ nor AVX-NE-CONVERT, e.g. AVX2-only x86), where torch has no oneD
 from __future__ import annotations
 
 import functools
-import os
 from collections import Counter
 
 import torch
 from torch import nn
 
+from common import backend
 from common.custom_op import direct_register_custom_op
 
 INFERENCE_ONLY = "packed for inference by common.cpu_gemm.pack_model: load weights before packing"
@@ -39,15 +37,6 @@ def supported() -> bool:
     mkldnn = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
             and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and bool(mkldnn._is_mkldnn_bf16_supported()))
-
-
-@functools.cache
-def amx() -> bool:
-    """Whether oneDNN runs its bf16 GEMMs on AMX here: the CPU has AMX tiles and ONEDNN_MAX_CPU_ISA (if set)
-    allows them."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    tiles = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return supported() and tiles and (cap in ("ALL", "DEFAULT") or "AMX" in cap)
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -65,7 +54,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     reads faster at 1-16 rows alike (2 threads, Xeon, weights from DRAM: LM head [16384, 1024] 1.40 -> 1.12 ms at
     16 rows, [12288, 1024] 1.18 -> 0.99 ms; no change below 8,192 rows; without AMX hint 1 is slower: 1.32 -> 1.71
     ms for the LM head at one row)."""
-    hint = 1 if weight.shape[0] >= WIDE_ROWS and amx() else 16
+    hint = 1 if weight.shape[0] >= WIDE_ROWS and backend.onednn_amx() else 16
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), hint)
 
 
@@ -118,27 +107,17 @@ class PackedLinear(nn.Module):
 
 
 class PackedExperts:
-    """A stacked expert weight [E, N, K] held as E oneDNN-packed [N, K] weights, for `ops.grouped_matmul`; with
-    `stacked` "n" or "k", also as one packed weight over every expert, for common.cpu_moe's dense pass: "n" the
-    experts' rows one after another [E*N, K] (a first, gate_up projection), "k" their inputs side by side [N, E*K]
-    (a second, down projection, whose GEMM then sums over the experts). Not a tensor: it has `.shape`, `.dtype`,
-    `.device` and `to_dense()`; anything else (indexing, `.data`) fails."""
+    """A stacked expert weight [E, N, K] held as E oneDNN-packed [N, K] weights only, for `ops.grouped_matmul` and
+    common.cpu_moe. Not a tensor: it has `.shape`, `.dtype`, `.device` and `to_dense()`; anything else (indexing,
+    `.data`) fails."""
 
-    def __init__(self, weight: torch.Tensor, stacked: str | None = None):
-        if stacked not in (None, "n", "k"):
-            raise ValueError(f"stacked must be None, 'n' or 'k', got {stacked!r}")
+    def __init__(self, weight: torch.Tensor):
         self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
         self.experts = [pack(w) for w in weight]  # E x [N, K] packed
-        E, N, K = weight.shape
-        self.stacked_axis = stacked
-        self.stacked = None if stacked is None else pack(
-            weight.reshape(E * N, K) if stacked == "n" else weight.permute(1, 0, 2).reshape(N, E * K))
 
     def set_expert(self, e: int, weight: torch.Tensor) -> None:
-        """Replace expert e's [N, K] weight (MoE offload's resident slots); the stacked copy is repacked."""
+        """Replace expert e's [N, K] weight (MoE offload's resident slots), packed."""
         self.experts[e] = pack(weight.to(self.dtype))
-        if self.stacked is not None:
-            self.stacked = PackedExperts(self.to_dense(), self.stacked_axis).stacked
 
     def to_dense(self) -> torch.Tensor:
         return torch.stack([w.to_dense() for w in self.experts])  # [E, N, K], exact
@@ -157,12 +136,10 @@ def _refuse_load(module: nn.Module, *args) -> None:
     raise RuntimeError(f"{type(module).__name__} holds PackedExperts: {INFERENCE_ONLY}")
 
 
-def pack_model(model: nn.Module, stack_experts: bool = False) -> int:
+def pack_model(model: nn.Module) -> int:
     """Pack every bf16 CPU linear and stacked expert weight of `model` in place, dropping the dense copies
     (see the module docstring); returns how many weights. A weight held in two places (tied) stays dense.
-    Packs nothing where oneDNN has no bf16 kernels. stack_experts: a module's expert stacks named in its
-    `dense_pass_axes` ({name: "n" | "k"}) are also packed whole (PackedExperts.stacked), twice their memory,
-    for common.cpu_moe's dense pass."""
+    Packs nothing where oneDNN has no bf16 kernels."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # a tied weight stays dense
     count = 0
     for module in list(model.modules()):
@@ -175,9 +152,8 @@ def pack_model(model: nn.Module, stack_experts: bool = False) -> int:
             continue
         stacks = [n for n, p in module.named_parameters(recurse=False)
                   if p.dim() == 3 and available(p) and uses[id(p)] == 1]
-        dense = getattr(module, "dense_pass_axes", {}) if stack_experts else {}  # common.cpu_moe's contract
         for name in stacks:
-            packed = PackedExperts(module._parameters[name], dense.get(name))
+            packed = PackedExperts(module._parameters[name])
             delattr(module, name)  # the dense stack goes
             setattr(module, name, packed)
         if stacks:

@@ -106,9 +106,7 @@ class ModelRunner:
         self.device = contract.device
         if self.device.type == "cpu":
             backend.keep_freed_host_memory()
-            # bf16 weights into oneDNN's layout, once, dense copies dropped (fp32: no-op); with AMX, expert stacks
-            # a model names also whole, for common.cpu_moe's dense pass
-            cpu_gemm.pack_model(model, stack_experts=cpu_gemm.amx())
+            cpu_gemm.pack_model(model)  # bf16 weights into oneDNN's layout, once, dense copies dropped (fp32: no-op)
         self.specs = model.cache_specs(config.block_size)
         check_cache_specs(self.specs, model.cache_tensor_specs())
         self.state_groups = tuple(s.name for s in self.specs if s.is_state)  # their tables: read, write slots

@@ -377,7 +377,6 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """This rank's E routed experts, stacked: gate_up_proj [E, gate | up, D], down_proj [E, D, I]; float, or int8
     with an fp32 scale per output channel (`gate_up_proj_scale` [E, 2I], `down_proj_scale` [E, D]) for w8a8."""
-    dense_pass_axes = {"gate_up_proj": "n", "down_proj": "k"}  # common.cpu_moe's dense pass over every expert
 
     def __init__(self, args: ModelArgs, E: int):
         super().__init__()
@@ -430,7 +429,7 @@ class MoE(nn.Module):
             weights = logits.new_zeros(0, a.num_experts_per_tok)  # [0, k]
             idx = torch.zeros(0, a.num_experts_per_tok, dtype=torch.int32, device=x.device)
         shared = self.shared_experts(x_r) if self.shared_experts is not None else None
-        if self.ep_size == 1 and cpu_moe.takes(self.experts.gate_up_proj, self.experts.down_proj):  # CPU, packed
+        if self.ep_size == 1 and cpu_moe.takes(self.experts.gate_up_proj, self.experts.down_proj):  # CPU
             out = cpu_moe.fused_experts(x_r, self.experts.gate_up_proj, self.experts.down_proj, weights, idx)
             if shared is not None:
                 out = (out.float() + shared.float()).to(out.dtype)  # [T_r, D]

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import cpu_gemm, ops
+from common import cpu_gemm, cpu_moe, ops
 from common import parallel as par
 from common.engine.compile_region import compile_region
 from common.engine.forward_batch import ForwardBatch
@@ -427,6 +427,11 @@ class MoE(nn.Module):
             self.routing_counter.add(self.layer, idx)
         if self.offload is not None and self.ep_group is None:
             return self._forward_offloaded(x_r, weights, idx, seq_ids)
+        if self.offload is None and self.ep_size == 1 and cpu_moe.takes(self.experts.w13, self.experts.w2):  # CPU
+            out = cpu_moe.fused_experts(x_r, self.experts.w13, self.experts.w2, weights, idx, a.swiglu_limit)
+            if self.shared_experts is not None:
+                out = (out.float() + self.shared_experts(x_r).float()).to(out.dtype)  # [T_r, D]
+            return par.all_gather_v(out, [len(run) for run in runs], self.tp_group)  # [T, D]
         xs, row_idx, counts = ops.moe_init_routing(x_r, idx, a.n_routed_experts)  # [T_r*k, D] by global expert
         capacity = runs[0].shape[0] * a.num_experts_per_tok if uniform else None  # the largest share's rows: every
         #   rank's (tensor_split gives the first ranks one more token when T is not a multiple of attn_tp)
