@@ -241,22 +241,27 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sli
     B, Hq, _ = q.shape
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     ends = seq_lens.long()  # [B] the new token sits at position end - 1 and sees keys [start, end)
-    starts = (ends - sliding_window).clamp(min=0) if sliding_window is not None else torch.zeros_like(ends)
-    if width is None:  # the widths read on the host
-        lens = ends - starts  # [B] keys each row sees
-        width = int(lens.max())
-        short = lens * SHORT_ROWS <= width  # [B]
-        if bool(short.any()) and not bool(short.all()):
+    starts = (ends - sliding_window).clamp(min=0) if sliding_window is not None else None  # None: from 0
+    if width is None:  # the widths read on the host, in one read
+        lens = (ends if starts is None else ends - starts).tolist()  # keys each row sees
+        width = max(lens)
+        short = [n * SHORT_ROWS <= width for n in lens]
+        if any(short) and not all(short):
             Dv = (k_cache if v_cache is None else v_cache).shape[-1]
             out, lse = q.new_empty(B, Hq, Dv, dtype=torch.float32), q.new_empty(B, Hq, dtype=torch.float32)
-            for rows in (short.nonzero()[:, 0], (~short).nonzero()[:, 0]):  # [B_s], [B_l]
+            for want in (True, False):
+                rows = torch.tensor([i for i, s in enumerate(short) if s == want], device=q.device)  # [B_s], [B_l]
                 out[rows], lse[rows] = _paged_decode(q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows],
                                                      scale, sliding_window)
             return out, lse
     ka = torch.arange(width, device=q.device)  # [Km]
-    pos = starts[:, None] + ka  # [B, Km]
-    valid = pos < ends[:, None]  # [B, Km]
-    pos = torch.where(valid, pos, starts[:, None])  # padding reads a real slot, masked below
+    if starts is None:
+        valid = ka < ends[:, None]  # [B, Km]
+        pos = torch.where(valid, ka, 0)  # [B, Km] padding reads a real slot, masked below
+    else:
+        pos = starts[:, None] + ka  # [B, Km]
+        valid = pos < ends[:, None]  # [B, Km]
+        pos = torch.where(valid, pos, starts[:, None])  # padding reads a real slot, masked below
     slots = block_tables.gather(1, pos // block_size).long() * block_size + pos % block_size  # [B, Km]
     kp = rows_at(k_cache, slots)  # [B, Km, Hkv, D]
     vp = kp if v_cache is None else rows_at(v_cache, slots)  # [B, Km, Hkv, Dv]
@@ -296,7 +301,7 @@ def _decode_fused(q, kp, vp, valid, scale: float):
     B, Hq, _ = q.shape
     Hkv = kp.shape[2]
     qh = q.reshape(B, Hkv, Hq // Hkv, -1)  # [B, Hkv, G, D]
-    mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))  # [B, Km]
+    mask = valid.to(q.dtype).log()  # [B, Km] additive: log 1 = 0 where visible, log 0 = -inf where not
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qh, kp.transpose(1, 2), vp.transpose(1, 2), 0.0, False, attn_mask=mask[:, None, None], scale=scale)[:2]
     return out.reshape(B, Hq, -1).float(), lse.reshape(B, Hq)  # [B, Hkv, G, Dv] -> [B, Hq, Dv]
