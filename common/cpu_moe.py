@@ -52,7 +52,7 @@ def per_expert(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor],
     ids = topk_ids.flatten().tolist()  # [T*k] expert of each pair, token-major
     if T == 1:  # one token (batch-1 decode): its k experts on its row itself, no gather, no scatter
         ys = torch.cat([cpu_gemm.linear(swiglu(cpu_gemm.linear(x, w13[e]), limit), w2[e]) for e in ids])  # [k, D]
-        return (ys.float() * topk_weights.view(k, 1)).sum(0, keepdim=True).to(x.dtype)  # [1, D]
+        return (ys.float() * topk_weights.reshape(k, 1)).sum(0, keepdim=True).to(x.dtype)  # [1, D]
     order = sorted(range(T * k), key=ids.__getitem__)  # pairs by expert (stable)
     counts = [0] * len(w13)
     for e in ids:
