@@ -8,8 +8,8 @@ the (token, expert) pairs as a list, sorts them in Python, gathers the rows once
 sums the weighted rows into their tokens with one index_add_ (~15 calls); one token (batch-1 decode) goes through
 its k experts on its own row, no gather and no scatter. `bench/bench_moe.py` of the deepseek recipe (Xeon with AMX,
 bf16, 2 threads, 2026-12-05), one layer's experts, reference ops / fused_experts: V3's bench experts 0.42 / 0.24 ms
-at one token, 1.11 / 0.91 at 4, 2.77 / 2.71 at 16; V4's 0.48 / 0.29, 1.48 / 1.33, 2.72 / 2.66. Compiled, one opaque
-op (common.custom_op), so a shape-generic graph holds no guard on the routing.
+at one token, 1.11 / 0.91 at 4, 2.77 / 2.71 at 16; V4's 0.48 / 0.29, 1.48 / 1.33, 2.72 / 2.66. Eager only: a
+compiled step traces the reference composition (see fused_experts).
 
 Tried and not kept: a dense pass over every expert (all experts' gate_up packed as one [E * 2I, D] weight, the
 down projections side by side as one [D, E * I], the unrouted pairs weighted 0: two oneDNN calls a layer). With
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from common import cpu_gemm
-from common.custom_op import direct_register_custom_op
+from common.ops.reference import moe
 from common.ops.reference.moe import swiglu
 
 
@@ -35,9 +35,13 @@ def fused_experts(x: torch.Tensor, w13: cpu_gemm.PackedExperts, w2: cpu_gemm.Pac
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(swiglu(gate_up_e(x[t]), limit)), e = topk_ids[t, j]: x [T, D] bf16,
     w13 [E, 2I, D] and w2 [E, D, I] packed, topk_weights [T, k] fp32, topk_ids [T, k] -> [T, D] (vLLM's
-    `fused_experts`). Compiled, one opaque op."""
+    `fused_experts`). Compiled, the reference ops' composition is traced instead (inductor fuses its routing; the
+    expert GEMMs stay ops.grouped_matmul's opaque op): `per_expert` as one opaque op made V3's graph steps slower
+    (bench_graph.py, batch 1 / 16 at 128 tokens: 22.8 / 46.8 ms against 15.3 / 35.4, Xeon, bf16)."""
     if torch.compiler.is_compiling():
-        return torch.ops.npu_cookbook.fused_experts(x, w13.experts, w2.experts, topk_weights, topk_ids, limit)
+        xs, row_idx, counts = moe.moe_init_routing(x, topk_ids, w13.shape[0])  # [T*k, D] by expert
+        h = moe.swiglu(moe.grouped_matmul(xs, w13, counts), limit)  # [T*k, I]
+        return moe.moe_finalize_routing(moe.grouped_matmul(h, w2, counts), topk_weights, row_idx)  # [T, D]
     return per_expert(x, w13.experts, w2.experts, topk_weights, topk_ids, limit)
 
 
@@ -66,12 +70,3 @@ def per_expert(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor],
     y = torch.cat([cpu_gemm.linear(r, w2[e]) for e, r in zip(used, h.split(sizes))])  # [T*k, D]
     weighted = y.float() * topk_weights.flatten().index_select(0, pairs)[:, None]  # [T*k, D] fp32
     return weighted.new_zeros(T, y.shape[1]).index_add_(0, tokens, weighted).to(x.dtype)  # [T, D]
-
-
-def _fused_experts_op(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor], topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, limit: float | None) -> torch.Tensor:
-    return per_expert(x, w13, w2, topk_weights, topk_ids, limit)
-
-
-direct_register_custom_op("fused_experts", _fused_experts_op,
-                          lambda x, w13, w2, *_: x.new_empty(x.shape[0], w2[0].shape[0]))

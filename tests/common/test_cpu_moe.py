@@ -1,5 +1,5 @@
 """common.cpu_moe.fused_experts on oneDNN-packed experts against the MoE's math written out in fp32 and against the
-reference ops' composition, eager and compiled (one opaque op: a shape-generic graph serves every batch size);
+reference ops' composition, eager and compiled (a shape-generic graph serves every batch size);
 DeepSeek-V3's and V4's MoE layers through it against their fp32 reference path."""
 import pytest
 import torch
@@ -72,27 +72,21 @@ def test_fused_experts_equal_the_reference_ops(T):
 
 
 def test_compiled_shape_generic_graph_serves_every_batch_size():
-    """Batch dimension dynamic: one graph for 2, 4 and 16 tokens, each equal to eager (the same op inside)."""
-    from torch._dynamo.testing import CompileCounter
+    """Compiled (inductor) with the batch dimension dynamic: one graph for 2, 4 and 16 tokens (the reference ops'
+    routing traced), each within bf16 rounding of eager's host-routed output."""
+    from torch._dynamo.testing import CompileCounterWithBackend
     p13, p2 = packed(*experts())
     torch._dynamo.reset()
-    counter = CompileCounter()
+    counter = CompileCounterWithBackend("inductor")
     fn = torch.compile(lambda x, w, i: cpu_moe.fused_experts(x, p13, p2, w, i), backend=counter, fullgraph=True)
     for T in (2, 4, 16):
         x, weights, ids = routing(T)
         for t in (x, weights, ids):
             torch._dynamo.mark_dynamic(t, 0)
-        assert torch.equal(fn(x, weights, ids), cpu_moe.fused_experts(x, p13, p2, weights, ids))
+        want = cpu_moe.fused_experts(x, p13, p2, weights, ids)
+        torch.testing.assert_close(fn(x, weights, ids).float(), want.float(), atol=1e-2 * float(want.abs().max()),
+                                   rtol=0)
     assert counter.frame_count == 1
-    torch._dynamo.reset()
-
-
-def test_inductor_graph_equals_eager():
-    p13, p2 = packed(*experts())
-    torch._dynamo.reset()
-    fn = torch.compile(lambda x, w, i: cpu_moe.fused_experts(x, p13, p2, w, i), fullgraph=True)
-    x, weights, ids = routing(5)
-    assert torch.equal(fn(x, weights, ids), cpu_moe.fused_experts(x, p13, p2, weights, ids))
     torch._dynamo.reset()
 
 
