@@ -58,6 +58,7 @@ import torch
 from tqdm.auto import tqdm
 
 from common import backend, parallel as par
+from common.frame_stack import call_on_fresh_chunk
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
@@ -232,7 +233,7 @@ class GraphRunner:
         def seconds(fn) -> float:
             backend.synchronize()
             start = time.perf_counter()
-            fn()
+            call_on_fresh_chunk(fn)  # as a step runs (common/frame_stack.py)
             backend.synchronize()
             return time.perf_counter() - start
 

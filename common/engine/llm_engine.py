@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from common import parallel as par
+from common.frame_stack import call_on_fresh_chunk
 from common.kv_cache import KVCacheManager
 
 from .config import EngineConfig
@@ -293,6 +294,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduled forward; returns the requests that got a token (or finished) this step."""
+        return call_on_fresh_chunk(self._step)  # its calls never cross a chunk of CPython's frame stack over and over
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         for req in plan.remote_prefills:
