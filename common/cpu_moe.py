@@ -36,8 +36,9 @@ def fused_experts(x: torch.Tensor, w13: cpu_gemm.PackedExperts, w2: cpu_gemm.Pac
     """sum_j topk_weights[t, j] * down_e(swiglu(gate_up_e(x[t]), limit)), e = topk_ids[t, j]: x [T, D] bf16,
     w13 [E, 2I, D] and w2 [E, D, I] packed, topk_weights [T, k] fp32, topk_ids [T, k] -> [T, D] (vLLM's
     `fused_experts`). Compiled, the reference ops' composition is traced instead (inductor fuses its routing; the
-    expert GEMMs stay ops.grouped_matmul's opaque op): `per_expert` as one opaque op made V3's graph steps slower
-    (bench_graph.py, batch 1 / 16 at 128 tokens: 22.8 / 46.8 ms against 15.3 / 35.4, Xeon, bf16)."""
+    expert GEMMs stay ops.grouped_matmul's opaque op), which needs no host read; `per_expert` as one opaque op ran
+    no faster there (bench_graph.py, V3 batch 1 / 16 at 128 tokens, Xeon, bf16: 17.6-18.3 / 36.3-39.7 ms both
+    ways, with the engine's step on a frame-stack chunk of its own, common/frame_stack.py)."""
     if torch.compiler.is_compiling():
         xs, row_idx, counts = moe.moe_init_routing(x, topk_ids, w13.shape[0])  # [T*k, D] by expert
         h = moe.swiglu(moe.grouped_matmul(xs, w13, counts), limit)  # [T*k, I]

@@ -22,7 +22,8 @@ GEMMs stay the oneDNN-packed ones of common/cpu_gemm.py, as opaque custom ops, a
 which run the host backend at every replay; a CUDA capture refuses them), and paged decode attention
 (ops.paged_attention's decode rows: inside the op the step's longest kv length is read on the host, so a graph step
 gathers and scores the keys its sequences hold, as eager does, not max_model_len padded ones; the padded width stays
-where a model pads itself, e.g. DeepSeek-V4's compressed entries and V3.2's indexer, at max_seqlen_k / ratio).
+where a model pads itself: V3.2's indexer at max_seqlen_k, DeepSeek-V4's compressed entries at max_seqlen_k / ratio
+up to PADDED_ENTRIES_MAX a sequence, past it through an opaque op of its own that reads the width on the host).
 Inductor keeps what it compiled on disk (its FX graph cache under TORCHINDUCTOR_CACHE_DIR, default
 /tmp/torchinductor_<user>), so a second start traces again but compiles nothing. That cache keys a graph by its
 code, not by the vector width inductor wrote it for, and the same folder may serve another CPU kind (an AVX-512
@@ -41,9 +42,10 @@ exe_mode auto: where graph mode runs (CPU, CUDA), the buckets are compiled as ab
 eager, and only the buckets whose graph is faster run as graphs; elsewhere (NPU) auto is eager. On one rank the
 timing is of real decode steps (`trial_mode` / `record`): a bucket's first steps alternate between its graph and the
 eager forward until each has run TRIAL_STEPS of them, then the faster mode keeps the bucket. Over several ranks it is
-a start-up timing of padding steps (`calibrate`), which every rank agrees on. (Padding steps timed outside the
-engine's step misjudged: V3's graph ran them slower than eager though it wins every real step, see the deepseek
-recipe's BENCHMARKS.md, "Graph mode".)
+a start-up timing of padding steps (`calibrate`), which every rank agrees on; a padding step has no context, so
+it sees the dispatch a graph saves, not what grows with the context. Both time their runs on a chunk of CPython's
+frame stack of their own, as the engine's step runs (common/frame_stack.py: without it, where the caller's depth put
+a chunk boundary decided the speed, and padding steps timed outside the step read V3's graph slower than eager).
 
 Over several ranks (TP / DP / EP, gloo on CPU) the collectives are traced into the graph (torch's functional
 collectives), and every step the data-parallel ranks agree on one bucket or on eager (`step_bucket`); a graph

@@ -30,12 +30,20 @@ from torch import nn
 
 from common import cpu_gemm, cpu_moe, ops
 from common import parallel as par
+from common.custom_op import direct_register_custom_op
 from common.engine.compile_region import compile_region
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_contract import ModelContract
 from common.kv_cache import CacheGroupSpec, CacheTensorSpec, check_cache_tensors
 from config_deepseek_v4 import CSA, SLIDING, ModelArgs
 
+# A compiled CPU step reads a layer's compressed entries padded to max_seqlen_k / ratio (the bucket's max_model_len)
+# while that is at most this many a sequence (inductor fuses the gathers, the indexer and the attention); past it,
+# through one opaque op that reads the width the step's sequences hold on the host (compressed_attention). Xeon,
+# bf16, the bench checkpoint, graph ms a step at batch 1 / 16 (bench_graph.py, contexts 128 and 896): at
+# max_model_len 4,096 (CSA 1,024 entries) padded 23.8-24.4 / 48.3, the op 28.0-28.2 / 49.2-53.2; at 65,536 (16,384)
+# padded 31.2-31.7 / 89.4-106.1 (graph slower than eager: 84-90 ms), the op 30.8-31.5 / 56.1-56.3.
+PADDED_ENTRIES_MAX = 8192
 WINDOW = "window"  # token-level group: sliding-window KV + the compressors' per-token state
 
 
@@ -191,10 +199,9 @@ class Compressor(nn.Module):
                 CacheTensorSpec(f"{prefix}.entries", compressed_group(self.ratio), self.head_dim,
                                 tokens_per_row=self.ratio)]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's projections, emit the entries completed by its tokens, and return every entry of
-        the batch's sequences: (entries [B * Wc, head_dim], cu_entries [B+1]), sequence b's entries at rows b * Wc..,
-        Wc = entries_width(batch) (the rows past its count are padding, masked by every reader).
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> None:
+        """Store this step's projections and write the entries completed by its tokens into `entries` (the readers
+        gather them: gather_entries).
 
         No shape depends on the tokens' values: the tokens that complete an entry are the first M of the step's
         tokens sorted done-first, M = T // ratio + B (at most that many complete one); rows past the done ones
@@ -221,28 +228,33 @@ class Compressor(nn.Module):
             pooled = self.norm((kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1))  # [M, d]
             cos, sin = self.rope.cos_sin(w * r)
             pooled = self.rope(pooled[:, None], cos, sin)  # [M, 1, d]
-            slots = torch.where(done, self._entry_slots(batch, batch.seq_ids[rows], w), 0)  # [M] not done: scratch
-            ops.reshape_and_cache(pooled, None, self.entries, None, slots)
-        return self._gather(batch)
+            table = batch.block_tables[self.cache_table["entries"]]
+            slots = torch.where(done, entry_slots(table, self.entries.shape[1], batch.seq_ids[rows], w), 0)  # [M]
+            ops.reshape_and_cache(pooled, None, self.entries, None, slots)  # rows not done: scratch row 0
 
     def entries_width(self, batch: ForwardBatch) -> int:
         """Wc: entries per sequence the step's readers pad to, from the batch's host bound max_seqlen_k."""
         return batch.max_seqlen_k // self.ratio
 
-    def _entry_slots(self, batch: ForwardBatch, seqs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        per_block = self.entries.shape[1]
-        table = batch.block_tables[self.cache_table["entries"]]
-        return table[seqs, w // per_block].long() * per_block + w % per_block
 
-    def _gather(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        B, width = batch.num_seqs, self.entries_width(batch)
-        w = torch.arange(width, device=batch.seq_lens.device)  # [Wc]
-        counts = batch.seq_lens.long() // self.ratio  # [B] entries of each sequence
-        w = torch.where(w < counts[:, None], w, 0)  # [B, Wc] padding reads the sequence's (or the null) block
-        seqs = torch.arange(B, device=w.device)[:, None].expand(B, width)  # [B, Wc]
-        rows = self._entry_slots(batch, seqs.reshape(-1), w.reshape(-1))  # [B * Wc]
-        cu = torch.arange(B + 1, device=w.device, dtype=torch.int32) * width  # [B+1]
-        return self.entries.view(-1, self.head_dim)[rows], cu
+def entry_slots(table: torch.Tensor, per_block: int, seqs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Cache rows of entry w of sequence seqs (a compressed group's block table [B, max_blocks]) -> like w."""
+    return table[seqs, w // per_block].long() * per_block + w % per_block
+
+
+def gather_entries(entries: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor, ratio: int, width: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every entry of the batch's sequences from a compressor's cache `entries` [blocks, per block, 1, d]: (rows
+    [B * width, d], cu [B+1]), sequence b's entries at rows b * width.. (the rows past its count, seq_lens[b] //
+    ratio, are padding: they read the sequence's or the null block, and every reader masks them)."""
+    B, per_block, d = seq_lens.shape[0], entries.shape[1], entries.shape[-1]
+    w = torch.arange(width, device=seq_lens.device)  # [Wc]
+    counts = seq_lens.long() // ratio  # [B] entries of each sequence
+    w = torch.where(w < counts[:, None], w, 0)  # [B, Wc]
+    seqs = torch.arange(B, device=w.device)[:, None].expand(B, width)  # [B, Wc]
+    rows = entry_slots(table, per_block, seqs.reshape(-1), w.reshape(-1))  # [B * Wc]
+    cu = torch.arange(B + 1, device=w.device, dtype=torch.int32) * width  # [B+1]
+    return entries.view(-1, d)[rows], cu
 
 
 class Indexer(nn.Module):
@@ -257,15 +269,13 @@ class Indexer(nn.Module):
         self.rope = rope
         self.scale = (self.head_dim * self.n_heads) ** -0.5
 
-    def forward(self, x, q_lora, cos, sin, batch: ForwardBatch) -> torch.Tensor:
-        """-> indices [T, topk] into the layer's compressed entries of all sequences, -1 where empty."""
-        keys, cu_keys = self.compressor(x, batch)  # [C, Di]
+    def forward(self, x, q_lora, cos, sin, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's index keys into the cache; -> the index queries [T, Hi, Di] and their head weights [T, Hi]
+        fp32, which pick each query's top-k entries (compressed_attention)."""
+        self.compressor(x, batch)
         q = self.wq_b(q_lora).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         q = self.rope(q, cos, sin)
-        weights = self.weights_proj(x).float() * self.scale  # [T, Hi]
-        visible = (batch.positions + 1) // self.ratio  # [T]
-        return ops.lightning_indexer(q, keys, weights, batch.cu_seqlens_q, cu_keys, visible, self.topk,
-                                     batch.max_seqlen_q, self.compressor.entries_width(batch))
+        return q, self.weights_proj(x).float() * self.scale  # [T, Hi, Di], [T, Hi]
 
 
 class Attention(nn.Module):
@@ -326,15 +336,22 @@ class Attention(nn.Module):
                                      batch.cu_seqlens_q, self.scale, sliding_window=self.window, return_lse=True,
                                      max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)
         if self.compressor is not None:
-            entries, cu_entries = self.compressor(x, batch)  # [C, Dh]
+            self.compressor(x, batch)  # this step's completed entries into the cache
+            iq = iw = ikeys = None
             if self.indexer is not None:
-                idx = self.indexer(x, q_lora, cos, sin, batch)  # [T, k], valid entries first
-            else:
-                idx = visible_entries(batch, cu_entries, self.ratio)  # [T, Wc]
-            idx = idx[:, : max(min(idx.shape[1], self.compressor.entries_width(batch)), 1)]  # no query sees more
-            if entries.shape[0]:
-                kv_entries = entries[:, None]  # [C, 1, Dh], K = V: one object, gathered once
-                oc, lsec = ops.sparse_attention(q, kv_entries, kv_entries, idx, self.scale, return_lse=True)
+                iq, iw = self.indexer(x, q_lora, cos, sin, batch)  # [T, Hi, Di], [T, Hi]
+                ikeys = self.indexer.compressor
+            args = (q, self.compressor.entries, batch.block_tables[self.compressor.cache_table["entries"]], iq, iw,
+                    None if ikeys is None else ikeys.entries,
+                    None if ikeys is None else batch.block_tables[ikeys.cache_table["entries"]],
+                    batch.seq_lens, batch.positions, batch.seq_ids, batch.cu_seqlens_q, self.ratio,
+                    self.indexer.topk if self.indexer is not None else 0, self.scale, batch.max_seqlen_q)
+            if (q.device.type == "cpu" and torch.compiler.is_compiling()
+                    and self.compressor.entries_width(batch) > PADDED_ENTRIES_MAX):  # the entries the sequences hold
+                oc, lsec = torch.ops.npu_cookbook.deepseek_v4_compressed_attention(*args)
+                o, lse = ops.merge_attention_states(o, lse, oc, lsec)
+            elif width := self.compressor.entries_width(batch):  # (a CUDA graph: padded to max_seqlen_k / ratio)
+                oc, lsec = compressed_attention(*args, width)
                 o, lse = ops.merge_attention_states(o, lse, oc, lsec)
         o = ops.apply_attention_sinks(o, lse, self.attn_sink)  # [T, H, Dh]
         o = self.rope(o, cos, -sin)  # undo the keys' rotation carried into the values
@@ -356,13 +373,58 @@ class GroupedLinear(nn.Module):
         return torch.einsum("tgi,gri->tgr", x, w)
 
 
-def visible_entries(batch: ForwardBatch, cu_entries: torch.Tensor, ratio: int) -> torch.Tensor:
-    """HCA: every causally visible entry of the query's own sequence, as global rows; -1 pads. -> [T, max]"""
-    visible = (batch.positions + 1) // ratio  # [T]
-    width = max(batch.max_seqlen_k // ratio, 1)  # Wc: what the longest sequence (or the batch's bound) holds
+def visible_entries(positions: torch.Tensor, seq_ids: torch.Tensor, cu_entries: torch.Tensor, ratio: int,
+                    width: int) -> torch.Tensor:
+    """HCA: every causally visible entry of the query's own sequence, as global rows; -1 pads. -> [T, width]"""
+    visible = (positions + 1) // ratio  # [T]
     ar = torch.arange(width, device=visible.device)
-    idx = cu_entries[:-1].long()[batch.seq_ids, None] + ar  # [T, width]
+    idx = cu_entries[:-1].long()[seq_ids, None] + ar  # [T, width]
     return torch.where(ar < visible[:, None], idx, -1)
+
+
+def compressed_attention(q: torch.Tensor, entries: torch.Tensor, table: torch.Tensor, iq: torch.Tensor | None,
+                         iweights: torch.Tensor | None, ikeys: torch.Tensor | None, itable: torch.Tensor | None,
+                         seq_lens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, ratio: int, topk: int, scale: float, max_seqlen_q: int,
+                         width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries q [T, H, Dh] over their sequences' compressed entries (a compressor's cache `entries`, read
+    through `table`), `width` >= 1 a sequence: CSA (iq given) attends the top-k entries the lightning indexer picks
+    with iq [T, Hi, Di], iweights [T, Hi] over the index keys `ikeys` (through `itable`); HCA every visible entry.
+    -> out [T, H, Dh] (q.dtype), lse [T, H] fp32."""
+    kv, cu = gather_entries(entries, table, seq_lens, ratio, width)  # [B * Wc, Dh]
+    if iq is not None:
+        keys, cu_keys = gather_entries(ikeys, itable, seq_lens, ratio, width)  # [B * Wc, Di]
+        idx = ops.lightning_indexer(iq, keys, iweights, cu_seqlens_q, cu_keys, (positions + 1) // ratio, topk,
+                                    max_seqlen_q, width)  # [T, k], valid entries first
+        idx = idx[:, :width]  # no query sees more
+    else:
+        idx = visible_entries(positions, seq_ids, cu, ratio, width)  # [T, Wc]
+    kv = kv[:, None]  # [B * Wc, 1, Dh], K = V: one object, gathered once
+    return ops.sparse_attention(q, kv, kv, idx, scale, return_lse=True)
+
+
+def _compressed_attention_op(q: torch.Tensor, entries: torch.Tensor, table: torch.Tensor, iq: torch.Tensor | None,
+                             iweights: torch.Tensor | None, ikeys: torch.Tensor | None, itable: torch.Tensor | None,
+                             seq_lens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+                             cu_seqlens_q: torch.Tensor, ratio: int, topk: int, scale: float, max_seqlen_q: int
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed_attention as one opaque op of a compiled CPU graph: its outputs' shapes are the step's alone, and
+    inside it the width is read on the host, the entries the step's longest sequence holds (no device sync on
+    CPU), not max_seqlen_k / ratio (the bucket's max_model_len). No entry yet: an empty attention (lse -inf)."""
+    width = int(seq_lens.max()) // ratio
+    if not width:
+        return torch.zeros_like(q), q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
+    return compressed_attention(q, entries, table, iq, iweights, ikeys, itable, seq_lens, positions, seq_ids,
+                                cu_seqlens_q, ratio, topk, scale, max_seqlen_q, width)
+
+
+def _compressed_attention_fake(q, *args):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+if not hasattr(torch.ops.npu_cookbook, "deepseek_v4_compressed_attention"):  # (this file imported under two names)
+    direct_register_custom_op("deepseek_v4_compressed_attention", _compressed_attention_op,
+                              _compressed_attention_fake)
 
 
 class Gate(nn.Module):

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from common.engine import LLM, EngineConfig, SamplingParams
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import bind_new_caches
+import modeling_deepseek_v4
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
@@ -58,6 +59,23 @@ def test_graph_decode_equals_eager_with_chunked_prefill_and_preemption(setup):
     assert graph.engine.scheduler.num_preemptions > 0 and eager.engine.scheduler.num_preemptions > 0
     assert max(graph.engine.stats.recent_step_tokens) <= 8  # prompts went in chunks beside the decodes
     assert graph.engine.kv_cache.all_blocks_free() and eager.engine.kv_cache.all_blocks_free()
+
+
+def test_graph_decode_reading_only_the_entries_the_sequences_hold_equals_eager(setup, monkeypatch):
+    """Past PADDED_ENTRIES_MAX entries a sequence (max_seqlen_k / ratio: long max_model_len), a compiled CPU step
+    reads the compressed entries through one opaque op that takes the width its sequences hold on the host; forced
+    here at the tiny size, one bucket of 2 (steps of one sequence padded to it)."""
+    eager, _, prompts, path = setup
+    monkeypatch.setattr(modeling_deepseek_v4, "PADDED_ENTRIES_MAX", 0)  # read when the graph is traced
+    graph = LLM(load_model(path, torch.float32), AutoTokenizer.from_pretrained(path), exe_mode="graph",
+                graph_capture_sizes=(2,), **ENGINE)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
+    want = eager.generate(prompts, params, use_tqdm=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = graph.generate(prompts, params, use_tqdm=False)
+    assert_same(want, got)
+    assert graph.engine.runner.graphs.replays[2] > 0
+    assert any("deepseek_v4_compressed_attention" in e.key for e in prof.key_averages())  # the op ran in them
 
 
 def test_graph_decode_equals_eager_on_a_prefix_cache_hit(setup):

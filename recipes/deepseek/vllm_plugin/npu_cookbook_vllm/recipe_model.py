@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 import common
+from common import cpu_gemm
 from common.engine.forward_batch import ForwardBatch
+from common.frame_stack import call_on_fresh_chunk
 from common.kv_cache import CacheTensorSpec
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
@@ -183,7 +185,8 @@ class RecipeForCausalLM(nn.Module):
         if not metadata or any(s.prefix not in metadata for s in [*self.slots, *self.state_slots]):
             # a dummy step (no request, no cache; vLLM's profile run builds no state metadata): nothing to attend to
             return torch.zeros(T, self.contract.hidden_size, dtype=self.contract.dtype, device=input_ids.device)
-        hidden = self.model(self.forward_batch(input_ids, positions, metadata))  # [n, D]
+        # [n, D]; on a chunk of CPython's frame stack of its own, as the engine's step (common/frame_stack.py)
+        hidden = call_on_fresh_chunk(self.model, self.forward_batch(input_ids, positions, metadata))
         if hidden.shape[0] < T:  # vLLM padded the step: padding rows are never sampled
             hidden = torch.cat([hidden, hidden.new_zeros(T - hidden.shape[0], hidden.shape[1])])
         return hidden
@@ -227,6 +230,11 @@ class RecipeForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Read the checkpoint folder through the recipe's loader (publisher or transformers names, FP8 / MXFP4
-        dequantized); vLLM's own iterator is left unread. Returns the names of every parameter filled."""
+        dequantized); vLLM's own iterator is left unread. Returns the names of every parameter filled. Then, on CPU,
+        the bf16 weights are packed into oneDNN's layout as the recipe's engine packs them (common/cpu_gemm.py; vLLM
+        packs only its own linear layers)."""
         self.load_into()
-        return {f"model.{n}" for n, _ in self.model.named_parameters()}
+        filled = {f"model.{n}" for n, _ in self.model.named_parameters()}
+        if self.contract.device.type == "cpu":
+            cpu_gemm.pack_model(self.model)
+        return filled
