@@ -21,9 +21,9 @@ GEMMs stay the oneDNN-packed ones of common/cpu_gemm.py, as opaque custom ops, a
 (its host split is no device sync on CPU), MoE offload's host experts (common/offload: a submit op and a sync op,
 which run the host backend at every replay; a CUDA capture refuses them), and paged decode attention
 (ops.paged_attention's decode rows: inside the op the step's longest kv length is read on the host, so a graph step
-gathers and scores the keys its sequences hold, as eager does, not max_model_len padded ones; the padded width stays
-where a model pads itself: V3.2's indexer at max_seqlen_k, DeepSeek-V4's compressed entries at max_seqlen_k / ratio
-up to PADDED_ENTRIES_MAX a sequence, past it through an opaque op of its own that reads the width on the host).
+gathers and scores the keys its sequences hold, as eager does, not max_model_len padded ones); so do V3.2's
+indexer and, past PADDED_ENTRIES_MAX entries a sequence, DeepSeek-V4's compressed entries, through opaque ops of
+their models that read the width on the host (below it V4's pad to max_seqlen_k / ratio).
 Inductor keeps what it compiled on disk (its FX graph cache under TORCHINDUCTOR_CACHE_DIR, default
 /tmp/torchinductor_<user>), so a second start traces again but compiles nothing. That cache keys a graph by its
 code, not by the vector width inductor wrote it for, and the same folder may serve another CPU kind (an AVX-512

@@ -51,6 +51,7 @@ from torch import nn
 
 from common import cpu_moe, ops
 from common import parallel as par
+from common.custom_op import direct_register_custom_op
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_contract import ModelContract
 from common.kv_cache import CacheGroupSpec, CacheTensorSpec, check_cache_tensors
@@ -257,21 +258,54 @@ class Indexer(nn.Module):
 
     def forward(self, x, q_lora, rope, batch: ForwardBatch) -> torch.Tensor:
         """-> positions [T, index_topk] in each query's own sequence of the keys it keeps, -1 = empty. A decode step
-        scores max_seqlen_k padded keys per sequence (no host read); others gather the sequences' keys."""
+        scores max_seqlen_k padded keys per sequence (no host read; a compiled CPU step: the keys the sequences
+        hold, through an opaque op that reads the width on the host); others gather the sequences' keys."""
         T = x.shape[0]
         cos, sin = rope["half"]
         q = self._rope(self.wq_b(q_lora).view(T, self.heads, self.dim), cos, sin)  # [T, Hi, Di]
         k = self._rope(self.k_norm(self.wk(x)).view(T, 1, self.dim), cos, sin)  # [T, 1, Di]
         ops.reshape_and_cache(k, None, self.k_cache, None, batch.slot_mapping[LATENT])
-        if is_decode_step(batch, T):
-            keys, cu_k = padded_rows(self.k_cache, batch.block_tables[LATENT], batch.max_seqlen_k)  # [B*W, 1, Di]
-        else:
-            keys, cu_k = gather_rows(self.k_cache, batch.block_tables[LATENT], batch.seq_lens)  # [S, 1, Di]
         w = self.weights_proj(x).float() * (self.heads ** -0.5 * self.dim ** -0.5)  # [T, Hi]
+        if is_decode_step(batch, T):
+            args = (q, w, self.k_cache, batch.block_tables[LATENT], batch.cu_seqlens_q, batch.positions,
+                    batch.seq_ids, self.topk, batch.max_seqlen_q)
+            if q.device.type == "cpu" and torch.compiler.is_compiling():  # not max_model_len padded keys
+                return torch.ops.npu_cookbook.deepseek_v32_decode_top_keys(*args, batch.seq_lens)
+            return decode_top_keys(*args, batch.max_seqlen_k)
+        keys, cu_k = gather_rows(self.k_cache, batch.block_tables[LATENT], batch.seq_lens)  # [S, 1, Di]
         idx = ops.lightning_indexer(q, keys[:, 0], w, batch.cu_seqlens_q, cu_k, batch.positions + 1, self.topk,
                                     max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)  # [T, k]
         start = cu_k[:-1].long()[batch.seq_ids]  # [T] first row of each query's sequence
         return torch.where(idx >= 0, idx - start[:, None], -1)  # [T, k]
+
+
+def decode_top_keys(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor, topk: int,
+                    max_seqlen_q: int, width: int) -> torch.Tensor:
+    """V3.2's indexer on a decode step: every sequence's index keys at positions [0, width) scored by its queries
+    q [T, Hi, Di] with head weights w [T, Hi] -> positions [T, topk] in each query's own sequence, -1 = empty."""
+    keys, cu_k = padded_rows(k_cache, table, width)  # [B * W, 1, Di]
+    idx = ops.lightning_indexer(q, keys[:, 0], w, cu_seqlens_q, cu_k, positions + 1, topk, max_seqlen_q=max_seqlen_q,
+                                max_seqlen_k=width)  # [T, k]
+    start = cu_k[:-1].long()[seq_ids]  # [T] first row of each query's sequence
+    return torch.where(idx >= 0, idx - start[:, None], -1)  # [T, k]
+
+
+def _decode_top_keys_op(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor, topk: int,
+                        max_seqlen_q: int, seq_lens: torch.Tensor) -> torch.Tensor:
+    """decode_top_keys as one opaque op of a compiled CPU graph: inside it the width is the step's longest sequence,
+    read on the host (no device sync on CPU), not the bucket's max_model_len (as paged decode attention)."""
+    return decode_top_keys(q, w, k_cache, table, cu_seqlens_q, positions, seq_ids, topk, max_seqlen_q,
+                           int(seq_lens.max()))
+
+
+def _decode_top_keys_fake(q, w, k_cache, table, cu_seqlens_q, positions, seq_ids, topk, *_):
+    return q.new_empty(q.shape[0], topk, dtype=torch.int64)
+
+
+if not hasattr(torch.ops.npu_cookbook, "deepseek_v32_decode_top_keys"):  # (this file imported under two names)
+    direct_register_custom_op("deepseek_v32_decode_top_keys", _decode_top_keys_op, _decode_top_keys_fake)
 
 
 class MLAttention(nn.Module):

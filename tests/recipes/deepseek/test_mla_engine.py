@@ -187,17 +187,20 @@ def test_a_layout_that_does_not_split_the_model_is_refused(layout, message):
 
 def test_graph_decode_equals_eager(checkpoints):
     """exe_mode graph (buckets 2 and 4: one graph over a symbolic batch size; V3.2: the absorbed sparse path, the
-    indexer over max_seqlen_k padded keys) against eager: tokens and log-probs, with prompt chunks of 8 beside the
-    decodes and a batch that shrinks 4 -> 1 (padded to the buckets)."""
+    indexer over the keys the sequences hold, one opaque op that reads their width on the host) against eager:
+    tokens and log-probs, with prompt chunks of 8 beside the decodes and a batch that shrinks 4 -> 1 (padded to the
+    buckets)."""
     path = checkpoints["v32"]
     tok = AutoTokenizer.from_pretrained(path)
     engine = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=8)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (30, 20, 10, 25)]
     graph = LLM(load_model(path, torch.float32), tok, exe_mode="graph", graph_capture_sizes=(2, 4), **engine)
     want = LLM(load_model(path, torch.float32), tok, **engine).generate(PROMPTS, params, use_tqdm=False)
-    check_equal(graph.generate(PROMPTS, params, use_tqdm=False), want)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        check_equal(graph.generate(PROMPTS, params, use_tqdm=False), want)
     graphs = graph.engine.runner.graphs
     assert graphs.num_graphs == 1 and graphs.replays[2] > 0 and graphs.replays[4] > 0
+    assert any("deepseek_v32_decode_top_keys" in e.key for e in prof.key_averages())  # the indexer's op ran
     assert graph.engine.kv_cache.all_blocks_free()
 
 
