@@ -350,7 +350,7 @@ class Attention(nn.Module):
                     and self.compressor.entries_width(batch) > PADDED_ENTRIES_MAX):  # the entries the sequences hold
                 oc, lsec = torch.ops.npu_cookbook.deepseek_v4_compressed_attention(*args)
                 o, lse = ops.merge_attention_states(o, lse, oc, lsec)
-            elif width := self.compressor.entries_width(batch):  # (a CUDA graph: padded to max_seqlen_k / ratio)
+            elif width := self.compressor.entries_width(batch):  # eager: the longest's; a graph: max_model_len's
                 oc, lsec = compressed_attention(*args, width)
                 o, lse = ops.merge_attention_states(o, lse, oc, lsec)
         o = ops.apply_attention_sinks(o, lse, self.attn_sink)  # [T, H, Dh]
