@@ -273,10 +273,19 @@ class Indexer(nn.Module):
                 return torch.ops.npu_cookbook.deepseek_v32_decode_top_keys(*args, batch.seq_lens)
             return decode_top_keys(*args, batch.max_seqlen_k)
         keys, cu_k = gather_rows(self.k_cache, batch.block_tables[LATENT], batch.seq_lens)  # [S, 1, Di]
-        idx = ops.lightning_indexer(q, keys[:, 0], w, batch.cu_seqlens_q, cu_k, batch.positions + 1, self.topk,
-                                    max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)  # [T, k]
-        start = cu_k[:-1].long()[batch.seq_ids]  # [T] first row of each query's sequence
-        return torch.where(idx >= 0, idx - start[:, None], -1)  # [T, k]
+        return top_key_positions(q, w, keys, cu_k, batch.cu_seqlens_q, batch.positions, batch.seq_ids, self.topk,
+                                 batch.max_seqlen_q, batch.max_seqlen_k)
+
+
+def top_key_positions(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, cu_k: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor, topk: int,
+                      max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
+    """The lightning indexer's top-k over the sequences' index keys [S, 1, Di] (sequence b's at rows cu_k[b]..), as
+    positions [T, topk] in each query's own sequence, -1 = empty."""
+    idx = ops.lightning_indexer(q, keys[:, 0], w, cu_seqlens_q, cu_k, positions + 1, topk, max_seqlen_q=max_seqlen_q,
+                                max_seqlen_k=max_seqlen_k)  # [T, k]
+    start = cu_k[:-1].long()[seq_ids]  # [T] first row of each query's sequence
+    return torch.where(idx >= 0, idx - start[:, None], -1)  # [T, k]
 
 
 def decode_top_keys(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor,
@@ -285,10 +294,7 @@ def decode_top_keys(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, tab
     """V3.2's indexer on a decode step: every sequence's index keys at positions [0, width) scored by its queries
     q [T, Hi, Di] with head weights w [T, Hi] -> positions [T, topk] in each query's own sequence, -1 = empty."""
     keys, cu_k = padded_rows(k_cache, table, width)  # [B * W, 1, Di]
-    idx = ops.lightning_indexer(q, keys[:, 0], w, cu_seqlens_q, cu_k, positions + 1, topk, max_seqlen_q=max_seqlen_q,
-                                max_seqlen_k=width)  # [T, k]
-    start = cu_k[:-1].long()[seq_ids]  # [T] first row of each query's sequence
-    return torch.where(idx >= 0, idx - start[:, None], -1)  # [T, k]
+    return top_key_positions(q, w, keys, cu_k, cu_seqlens_q, positions, seq_ids, topk, max_seqlen_q, width)
 
 
 def _decode_top_keys_op(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor,
