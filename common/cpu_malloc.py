@@ -4,7 +4,10 @@ With glibc's malloc the engine's CPU step time depends on where the step's buffe
 decode graph of the DeepSeek-V3 bench checkpoint ran batch 4 at 27.5 or 38.5 ms a step from one process to the
 next, depending only on what the driving script had allocated before (one more line of Python moved it), and the
 time went into the host side of the expert GEMMs and the paged-attention gathers. Under tcmalloc the same scripts
-ran 24.8-25.7 ms, and eager steps 5-10% faster too.
+ran 24.8-25.7 ms, and eager steps 5-10% faster too. (Some of that script-to-script swing was CPython's frame stack,
+which common/frame_stack.py now keeps off the step's path; with it, tcmalloc still gave bench_graph.py's V3 graph
+steps 15-30%: batch 1 / 4 / 16 at 17.0 / 25.7 / 35.9 ms against glibc's 20.8-21.9 / 29.6-30.0 / 44.3-46.5, same
+hour, Xeon, bf16.)
 
 `reexec_with_tcmalloc()` restarts the calling program (the same command line) with tcmalloc preloaded, when
 Debian's `libtcmalloc-minimal4` (or another tcmalloc at a known path) is installed and not loaded yet; the benches
