@@ -15,7 +15,8 @@ one ran 16.7 / 37.3 ms.
 `call_on_fresh_chunk(fn)` calls fn from a frame that takes just over half of a 128 KiB chunk: it never fits a
 chunk that is in use (a default one is 16 KiB, and one of these has less than half of itself left), so it always
 starts a chunk of its own, and fn's calls have the other ~64 KiB of it before any of them could cross a boundary: a
-chunk mapped and unmapped once a call, instead of once per crossing. The reserved slots are never touched: only the pages fn's frames use are.
+chunk mapped and unmapped once a call, instead of once per crossing. The reserved slots are never touched: only the
+pages fn's frames use are.
 """
 from __future__ import annotations
 

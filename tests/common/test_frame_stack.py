@@ -49,4 +49,4 @@ def test_returns_and_raises_through():
     assert call_on_fresh_chunk(lambda a, b=0: a + b, 2, b=3) == 5
     with pytest.raises(ZeroDivisionError):
         call_on_fresh_chunk(lambda: 1 / 0)
-    assert call_on_fresh_chunk(call_on_fresh_chunk, sum, [1, 2]) == 3  # nested: each on a chunk of its own
+    assert call_on_fresh_chunk(call_on_fresh_chunk, sum, [1, 2]) == 3  # nested
