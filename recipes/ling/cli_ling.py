@@ -45,7 +45,8 @@ def add_model_args(p: ArgumentParser) -> None:
                    "0: off)")
     p.add_argument("--exe-mode", choices=EXE_MODES, help="graph: decode steps as graphs compiled at start-up; auto: "
                    "graph where a bucket's graph beats eager, timed on its first decode steps (over ranks: at "
-                   "start-up) (overrides the preset's exe_mode; default eager)")
+                   "start-up) (overrides the preset's exe_mode; default: auto with --weights, eager on the tiny "
+                   "checkpoint)")
 
 
 def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
@@ -77,7 +78,9 @@ def check_model_args(p: ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--config {a.config.name}: set speculative: {{method: mtp, num_speculative_tokens: K}} and exe_mode "
                 "at the top level of the preset (as upstream), not in engine")
     a.speculative_tokens = speculative_tokens(p, a)
-    a.exe_mode = a.exe_mode or a.preset.get("exe_mode", "eager")  # --exe-mode > the preset's > eager
+    # --exe-mode > the preset's > auto (graph where a bucket's graph beats eager, as vLLM compiles unless told
+    # --enforce-eager), but eager on the tiny random checkpoint: a demo of seconds, less than a cold compile
+    a.exe_mode = a.exe_mode or a.preset.get("exe_mode") or ("eager" if a.weights is None else "auto")
     if a.exe_mode not in EXE_MODES:
         p.error(f"--config {a.config.name}: exe_mode {a.exe_mode!r}, expected one of {list(EXE_MODES)}")
     try:

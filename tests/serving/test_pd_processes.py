@@ -90,7 +90,8 @@ def test_a_side_that_dies_ends_its_requests_and_frees_the_other_side(checkpoint,
     preset = tmp_path / "tiny-chunk16.yaml"  # P prefills a long prompt in many chunks: time to kill a side meanwhile
     preset.write_text((RUN_SH.parent / "configs" / "tiny-cpu.yaml").read_text().replace(
         "max_num_batched_tokens: 512", "max_num_batched_tokens: 16"))
-    common = ["--weights", str(checkpoint), "--dtype", "fp32", "--served-model-name", "tiny", "--config", str(preset)]
+    common = ["--weights", str(checkpoint), "--exe-mode", "eager", "--dtype", "fp32", "--served-model-name", "tiny",
+              "--config", str(preset)]
     prefill = Instance(["bash", str(RUN_SH), "--serve", "--port", str(p_port), "--pd-role", "prefill", *common], p_url)
     decode = Instance(["bash", str(RUN_SH), "--serve", "--port", str(d_port), "--pd-role", "decode", "--pd-bootstrap",
                        p_url, *common], d_url)
@@ -154,7 +155,7 @@ def test_pd_over_multi_rank_instances_equals_one_process(checkpoint, model_and_t
     base = free_port_run(3)
     p_port, d_port, r_port = base, base + 1, base + 2
     p_url, d_url, url = (f"http://127.0.0.1:{x}" for x in (p_port, d_port, r_port))
-    common = ["--weights", str(checkpoint), "--dtype", "fp32", "--served-model-name", "tiny"]
+    common = ["--weights", str(checkpoint), "--exe-mode", "eager", "--dtype", "fp32", "--served-model-name", "tiny"]
     instances = [
         Instance(["bash", str(RUN_SH), "--serve", "--port", str(p_port), "--pd-role", "prefill", "--config",
                   "configs/tiny-cpu-tp2.yaml", *common], p_url),

@@ -29,7 +29,7 @@ def test_the_readme_examples_answer(checkpoint):
     assert all(blocks.values()), "an example block went missing from the README"
     port = free_port()
     proc = subprocess.Popen(["bash", str(RUN_SH), "--serve", "--port", str(port), "--weights", str(checkpoint),
-                             "--dtype", "fp32", "--served-model-name", "deepseek-v4-tiny"],
+                             "--exe-mode", "eager", "--dtype", "fp32", "--served-model-name", "deepseek-v4-tiny"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}", 120)

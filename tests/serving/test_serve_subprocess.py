@@ -34,7 +34,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
 def test_serve_answers_then_sigterm_exits_0(checkpoint):
     port = free_port()
     proc = subprocess.Popen(["bash", str(RUN_SH), "--serve", "--port", str(port), "--weights", str(checkpoint),
-                             "--dtype", "fp32", "--api-key", "k", "--served-model-name", "tiny",
+                             "--exe-mode", "eager", "--dtype", "fp32", "--api-key", "k", "--served-model-name", "tiny",
                              "--drain-timeout", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -76,7 +76,7 @@ def several_instances(checkpoint, *mode):
     the end must stop every process with exit code 0."""
     port = free_port_run(3)  # router on port, instances on port + 1, port + 2
     proc = subprocess.Popen(["bash", str(RUN_SH), "--serve", *mode, "--port", str(port), "--weights",
-                             str(checkpoint), "--dtype", "fp32", "--served-model-name", "tiny"],
+                             str(checkpoint), "--exe-mode", "eager", "--dtype", "fp32", "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -112,7 +112,7 @@ def test_serve_over_dp2_ep2_ranks_equals_one_process(checkpoint, model_and_token
     from common.engine import LLM, SamplingParams
     port = free_port()
     proc = subprocess.Popen(["bash", str(RUN_SH), "--serve", "--port", str(port), "--weights", str(checkpoint),
-                             "--dtype", "fp32", "--served-model-name", "tiny", "--config",
+                             "--exe-mode", "eager", "--dtype", "fp32", "--served-model-name", "tiny", "--config",
                              "configs/tiny-cpu-dp2-ep2.yaml"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     prompts = [[5, 6, 7], [40, 41, 42, 43, 44, 45], [300, 2, 9], [17, 18], [99, 98, 97, 96]]

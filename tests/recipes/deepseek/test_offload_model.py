@@ -310,7 +310,8 @@ def test_record_routing_in_graph_mode_is_refused_in_one_line(capsys, monkeypatch
 def test_generate_records_routing_then_runs_offloaded_from_it(ckpt, tmp_path, capsys):
     counts, prompts = tmp_path / "counts.json", tmp_path / "prompts.txt"
     prompts.write_text("Explain what a mixture-of-experts model is.\nList three prime numbers.\n")
-    common = ["--weights", str(ckpt), "--dtype", "fp32", "--max-tokens", "3", "--prompts", str(prompts)]
+    common = ["--weights", str(ckpt), "--exe-mode", "eager", "--dtype", "fp32", "--max-tokens", "3", "--prompts",
+              str(prompts)]
     assert generate.main([*common, "--record-routing", str(counts)]) == 0
     plain = capsys.readouterr().out
     assert json.loads(counts.read_text())["format"] == "expert-routing-counts"
