@@ -10,10 +10,11 @@ to weights/deepseek-v4-offload-bench-<layers>x<experts>[-quick]. Every measureme
 (kt-kernel's thread pool slows torch in a shared process), one after the other, on --threads threads:
 
 1. Read bandwidth: a STREAM-like read (a sum) of a 1 GiB buffer, best of 5: the host's bound.
-2. Host experts alone, per backend: one score-routed layer, random top-k routing, the pairs of the resident experts
-   (0%, 12.5%, 25% of them: experts 0..N-1) left out, 1 and 4 tokens: ms a call, the bytes it reads (its distinct
-   host experts x an expert's bytes), the time those take at the measured bandwidth, and the ratio (the target:
-   within 2x at 1 token), with the effective GB/s and GFLOP/s (6 H I flops a routed pair).
+2. Host experts alone, per backend (kt also on one worker thread: its kernel's rate on one core): one score-routed
+   layer, random top-k routing, the pairs of the resident experts (0%, 12.5%, 25% of them: experts 0..N-1) left out,
+   1 and 4 tokens: ms a call, the bytes it reads (its distinct host experts x an expert's bytes), the time those take
+   at the measured bandwidth, and the ratio (the target: within 2x at 1 token), with the effective GB/s and GFLOP/s
+   (6 H I flops a routed pair).
 3. The engine, batch 1 and 4: all-resident, then each backend x resident share: decode tok/s (the engine's
    decode-only steps: batch x (D - 1) tokens over their time), the host's ms per decoded token as the decode steps spent them (ExpertOffload.host_log: the
    caller's time in the host's submit and sync), the hit rate H, and the RSS the load added. On a CPU-only machine
@@ -98,7 +99,8 @@ def host_worker(spec: dict) -> dict:
     experts = MXFP4Experts.from_checkpoint(ckpt, f"layers.{layer}.ffn.experts", E)
     per_expert = experts.nbytes / E
     if spec["backend"] == "kt":
-        host = KTKernelHostExperts([(layer, experts)], k, args.swiglu_limit, max_tokens=max(BATCHES))
+        host = KTKernelHostExperts([(layer, experts)], k, args.swiglu_limit, max_tokens=max(BATCHES),
+                                   threads=spec.get("kt_threads"))
     else:
         host = TorchHostExperts({layer: experts}, args.swiglu_limit)
     g = torch.Generator().manual_seed(0)
@@ -282,14 +284,18 @@ def main(argv=None) -> int:
           f"{a.layers} layers x {E} experts, hidden {config['hidden_size']}, experts of "
           f"{config['moe_intermediate_size']}, top-{config['num_experts_per_tok']}", flush=True)
 
-    jobs = [("host", b) for b in a.backends] + [("engine", None)] + [("engine", b) for b in a.backends]
-    runs = len(a.backends) + 1 + len(a.backends) * len(FRACTIONS) + 1 + 3 * 2
+    # kt also on one worker: its pool counts the thread that runs its task queue as a worker and the caller spins
+    # in sync(), so the one-worker row is kt's kernel on one core of its own (its rate a core)
+    hosts = [(b, None) for b in a.backends] + [("kt", 1)] * ("kt" in a.backends and a.threads > 1)
+    jobs = [("host", h) for h in hosts] + [("engine", None)] + [("engine", b) for b in a.backends]
+    runs = len(hosts) + 1 + len(a.backends) * len(FRACTIONS) + 1 + 3 * 2
     results = {}
     with tqdm(total=runs, desc="bench_offload", unit="run") as bar:
         bandwidth = read_bandwidth(0.25 if a.quick else 1.0)
         for kind, b in jobs:
             if kind == "host":
-                results[("host", b)] = run_worker({**base, "kind": "host", "backend": b}, a.threads)
+                results[("host", *b)] = run_worker({**base, "kind": "host", "backend": b[0], "kt_threads": b[1]},
+                                                   a.threads)
                 bar.update()
                 continue
             for f in (FRACTIONS if b else (None,)):
@@ -308,9 +314,10 @@ def main(argv=None) -> int:
 
     print(f"\nread bandwidth (a sum over {0.25 if a.quick else 1.0:g} GiB, best of 5): {bandwidth / 1e9:.1f} GB/s")
     ratios = {}
-    for b in a.backends:
-        r = results[("host", b)]
-        print(f"\nhost experts alone, {b}: one layer of {r['experts']} experts, top-{r['top_k']}, "
+    for b, workers in hosts:
+        r = results[("host", b, workers)]
+        label = b if workers is None else f"{b} on {workers} worker thread"
+        print(f"\nhost experts alone, {label}: one layer of {r['experts']} experts, top-{r['top_k']}, "
               f"{r['per_expert'] / 2**20:.2f} MiB an expert (MXFP4); ms a call min / median")
         print(f"  {'resident':>9} {'tokens':>6} {'ms':>15} {'MiB read':>9} {'bound ms':>9} {'ratio':>6} "
               f"{'GB/s':>6} {'GFLOP/s':>8} {'ms / token':>11}")
@@ -318,7 +325,7 @@ def main(argv=None) -> int:
             fraction, tokens = float(key.split(",")[0]), int(key.split(",")[1])
             best, bound = min(times), 1e3 * nbytes / bandwidth
             flops = pairs * 6 * r["hidden"] * r["intermediate"]
-            ratios[(b, fraction, tokens)] = best / bound if bound else float("nan")
+            ratios[(b, workers, fraction, tokens)] = best / bound if bound else float("nan")
             print(f"  {fraction:>9.1%} {tokens:>6} {best:>7.1f} / {statistics.median(times):<6.1f} "
                   f"{nbytes / 2**20:>9.1f} {bound:>9.2f} {best / bound if bound else float('nan'):>6.1f} "
                   f"{nbytes / best / 1e6:>6.2f} {flops / best / 1e6:>8.1f} "
@@ -347,7 +354,8 @@ def main(argv=None) -> int:
         for f in FRACTIONS[1:]:
             rates = file_hit_rates(a.routing_file, shares[f])
             print(f"  {a.routing_file.name}, N={shares[f]}: " + ", ".join(f"{k} {v:.3f}" for k, v in rates.items()))
-    last = [f"{b} host at 1 token, 0% resident: {ratios[(b, 0.0, 1)]:.1f}x its bandwidth bound" for b in a.backends]
+    last = [f"{b}{'' if n is None else f' ({n} worker)'} host at 1 token, 0% resident: "
+            f"{ratios[(b, n, 0.0, 1)]:.1f}x its bandwidth bound" for b, n in hosts]
     split = [f"{b} at 25%: {results[('engine', b, 0.25)]['1']['tok_s'] / resident['1']['tok_s']:.2f}x all-resident "
              "decode at batch 1" for b in a.backends]
     print("\n" + "; ".join(last + split) + " (target: host within 2x of its bound)")
