@@ -40,10 +40,11 @@ from config_deepseek_v4 import CSA, SLIDING, ModelArgs
 # A compiled CPU step reads a layer's compressed entries padded to max_seqlen_k / ratio (the bucket's max_model_len)
 # while that is at most this many a sequence (inductor fuses the gathers, the indexer and the attention); past it,
 # through one opaque op that reads the width the step's sequences hold on the host (compressed_attention). Xeon,
-# bf16, the bench checkpoint, graph ms a step at batch 1 / 16 (bench_graph.py, contexts 128 and 896): at
-# max_model_len 4,096 (CSA 1,024 entries) padded 23.8-24.4 / 48.3, the op 28.0-28.2 / 49.2-53.2; at 65,536 (16,384)
-# padded 31.2-31.7 / 89.4-106.1 (graph slower than eager: 84-90 ms), the op 30.8-31.5 / 56.1-56.3.
-PADDED_ENTRIES_MAX = 8192
+# bf16, the bench checkpoint, batch-16 graph ms a step, contexts 128 / 896 (bench_graph.py --max-model-len; CSA
+# entries in brackets): 4,096 (1,024) padded 48.3 / 48.3, the op 49.2-53.2; 8,192 (2,048) padded 61.4 / 64.4, the op
+# 61.7 / 71.5; 16,384 (4,096) padded 68.2 / 66.4 (eager 72.8 / 88.9), the op 57.2 / 65.8; 32,768 (8,192) padded 79.7
+# / 79.1 (eager 71.9 / 91.4: graph behind), the op 54.8 / 59.5. At batch 1 padded is as fast or faster throughout.
+PADDED_ENTRIES_MAX = 2048
 WINDOW = "window"  # token-level group: sliding-window KV + the compressors' per-token state
 
 
