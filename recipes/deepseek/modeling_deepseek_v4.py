@@ -468,13 +468,18 @@ class MoE(nn.Module):
         self.offload = None  # common.offload.ExpertOffload, with num_slots
         self.routing_counter = None  # common.offload.RoutingCounter, to write a routing-count file
 
-    @compile_region  # one per kind of routing (hash, score)
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, uniform: bool = False,
                 seq_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] (the same on every attention-TP rank) -> [T, D]. uniform: every rank runs T tokens (a
         graph-mode step), so the expert dispatch exchanges fixed-capacity buffers (no split read on the host).
         seq_ids [T]: each token's sequence in the batch (what dynamic expert placement counts by). image_mask [T]
         bool: the image tokens, routed by bias_vl (None: a text-only batch)."""
+        if self.experts.w13_scale is not None:  # int8 experts: torch 2.13's region reuse fails on them (dynamo's
+            return self._route(x, input_ids, uniform, seq_ids, image_mask)  # "Freevar has no source"): traced inline
+        return self._route_region(x, input_ids, uniform, seq_ids, image_mask)
+
+    def _route(self, x: torch.Tensor, input_ids: torch.Tensor, uniform: bool, seq_ids: torch.Tensor | None,
+               image_mask: torch.Tensor | None) -> torch.Tensor:
         a = self.args
         runs = x.tensor_split(self.tp_size)  # each attention-TP rank routes its share of the tokens
         x_r, ids_r = runs[self.tp_rank], input_ids.tensor_split(self.tp_size)[self.tp_rank]  # [T_r, D], [T_r]
@@ -508,6 +513,8 @@ class MoE(nn.Module):
         shared = self.shared_experts(x_r) if self.shared_experts is not None else None
         out = ops.moe_finalize_routing(y, weights, row_idx, shared)  # [T_r, D]
         return par.all_gather_v(out, [len(run) for run in runs], self.tp_group)  # [T, D]
+
+    _route_region = compile_region(_route)  # one per kind of routing (hash, score)
 
     def _route_images(self, logits: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, image_mask: torch.Tensor):
         """Image tokens' experts re-picked by top-k of scores + bias_vl, their weights the unbiased scores renormalised

@@ -70,10 +70,10 @@ prefill sizes it unpacks the expert's int4 weight and runs `_int_mm` per group (
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
+
+from common.custom_op import direct_register_custom_op
 
 INT8_MAX = 127
 FLT_MIN = torch.finfo(torch.float32).tiny  # the smallest normal fp32: the scale of a zero row
@@ -93,10 +93,13 @@ def dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.div(x32, scale).round_().to(torch.int8), scale.squeeze(-1)
 
 
-@functools.cache
 def cpu_int8_kernel() -> str:
-    """"_int_mm" where torch._int_mm gives exact int32 sums on this CPU (checked once, on inputs that saturate
-    vpmaddubsw's int16 pair sums), else "fp32" (the exact fp32 summation of `int8_matmul`)."""
+    """"_int_mm" where torch._int_mm gives exact int32 sums on this CPU (checked once, at import, on inputs that
+    saturate vpmaddubsw's int16 pair sums), else "fp32" (the exact fp32 summation of `int8_matmul`)."""
+    return _CPU_INT8_KERNEL
+
+
+def _check_cpu_int8_kernel() -> str:
     if not hasattr(torch, "_int_mm"):
         return "fp32"
     g = torch.Generator().manual_seed(0)
@@ -128,6 +131,10 @@ def _int8_matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         for a_chunk, cols in chunks:
             out[:, j:j + _FP32_ROWS] += F.linear(a_chunk, b[j:j + _FP32_ROWS, cols].float()).to(torch.int32)
     return out
+
+
+# checked at import, not at the first call: a compiled graph (graph mode) reads the answer and cannot run the check
+_CPU_INT8_KERNEL = _check_cpu_int8_kernel()
 
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -263,10 +270,18 @@ def grouped_quant_matmul(
     -> [M, N] in x.dtype; activations dynamic_quant'ed per token.
     - group_size None or 0 (W8A8): weight int8 [E, N, K], weight_scale [E, N] (per channel).
     - group_size int (W4A8): weight int4 packed by pack_int4, int8 [E, N, K/2]; weight_scale [E, N, K/group_size].
+    The split by expert is read on the host: in a compiled CPU step one opaque op, as grouped_matmul's loop.
     """
+    if torch.compiler.is_compiling() and x.device.type == "cpu":
+        return torch.ops.npu_cookbook.grouped_quant_matmul(x, weight, weight_scale, tokens_per_expert, group_size or 0)
+    return _grouped_quant_matmul(x, weight, weight_scale, tokens_per_expert, group_size or 0)
+
+
+def _grouped_quant_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                          tokens_per_expert: torch.Tensor, group_size: int) -> torch.Tensor:
     m, k = x.shape
     e, n = weight.shape[:2]
-    w4 = bool(group_size)  # None (or 0): W8A8
+    w4 = bool(group_size)  # 0: W8A8
     want_w = (e, n, k // 2) if w4 else (e, n, k)
     want_s = (e, n, k // group_size) if w4 else (e, n)
     shapes = (weight.shape, weight_scale.shape, len(tokens_per_expert))
@@ -285,3 +300,8 @@ def grouped_quant_matmul(
             y = (acc.float() * weight_scale[i].float().T[:, None, :]).sum(0)  # [m_e, N] fp32
             out[start:end] = y.mul_(x_scale[start:end, None]).to(x.dtype)
     return out
+
+
+direct_register_custom_op("grouped_quant_matmul", _grouped_quant_matmul,
+                          lambda x, weight, weight_scale, tokens_per_expert, group_size:
+                          x.new_empty(x.shape[0], weight.shape[1]))
