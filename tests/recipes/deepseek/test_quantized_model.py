@@ -15,6 +15,7 @@ from common.parallel import LLMParallelLayout, destroy_parallel, init_parallel
 from dist_helpers import run_ranks
 from modeling_deepseek_v4 import QuantLinear
 from quant_accuracy import OpErrors, common_prefix
+from graph_helpers import greedy_eager_and_graph
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
@@ -142,14 +143,5 @@ def test_w8a8_graph_decode_equals_eager(checkpoints):
     """Graph mode (the default where a checkpoint is given: auto) compiles the int8 projections and experts: the
     experts' split runs as one opaque op, the MoE traced inline (torch's region reuse fails on the int8 experts).
     fp32 greedy tokens of the compiled steps == eager's (W4A8 runs the same graph with the int4 op)."""
-    path = checkpoints["w8a8"]
-    tok = AutoTokenizer.from_pretrained(path)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    outs = {}
-    for mode in ("eager", "graph"):
-        llm = LLM(load_model(path, torch.float32), tok, block_size=16, max_num_seqs=4, exe_mode=mode,
-                  graph_capture_sizes=(4,) if mode == "graph" else None)
-        outs[mode] = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        if mode == "graph":
-            assert sum(llm.engine.runner.graphs.replays.values()) >= 4  # the decode steps ran as the graph
+    outs = greedy_eager_and_graph(load_model, checkpoints["w8a8"], PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert outs["graph"] == outs["eager"]

@@ -20,6 +20,7 @@ from common.parallel import LLMParallelLayout
 from convert_checkpoint import convert, plan
 from fp16_ranges import FP16_MAX, measure, report
 from modeling_deepseek_v3 import MoE, QuantLinear
+from graph_helpers import greedy_eager_and_graph
 from tiny_deepseek_v3 import write_tiny_checkpoint
 from weights_deepseek_v3 import load_model
 
@@ -287,13 +288,5 @@ def kl_top1(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 def test_w8a8_graph_decode_equals_eager(checkpoints):
     """The W8A8 V3 in graph mode (the default where a checkpoint is given: auto; CPU): the int8 projections traced,
     the experts' split one opaque op; fp32 greedy tokens of the compiled steps == eager's."""
-    path = checkpoints["w8a8"]
-    tok = AutoTokenizer.from_pretrained(path)
-    outs = {}
-    for mode in ("eager", "graph"):
-        llm = LLM(load_model(path, torch.float32), tok, block_size=16, max_num_seqs=4, exe_mode=mode,
-                  graph_capture_sizes=(4,) if mode == "graph" else None)
-        outs[mode] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-        if mode == "graph":
-            assert sum(llm.engine.runner.graphs.replays.values()) >= 4  # the decode steps ran as the graph
+    outs = greedy_eager_and_graph(load_model, checkpoints["w8a8"], PROMPTS, GREEDY)
     assert outs["graph"] == outs["eager"]
