@@ -70,6 +70,8 @@ prefill sizes it unpacks the expert's int4 weight and runs `_int_mm` per group (
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -93,13 +95,10 @@ def dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.div(x32, scale).round_().to(torch.int8), scale.squeeze(-1)
 
 
+@functools.cache
 def cpu_int8_kernel() -> str:
-    """"_int_mm" where torch._int_mm gives exact int32 sums on this CPU (checked once, at import, on inputs that
-    saturate vpmaddubsw's int16 pair sums), else "fp32" (the exact fp32 summation of `int8_matmul`)."""
-    return _CPU_INT8_KERNEL
-
-
-def _check_cpu_int8_kernel() -> str:
+    """"_int_mm" where torch._int_mm gives exact int32 sums on this CPU (checked once, on inputs that saturate
+    vpmaddubsw's int16 pair sums), else "fp32" (the exact fp32 summation of `int8_matmul`)."""
     if not hasattr(torch, "_int_mm"):
         return "fp32"
     g = torch.Generator().manual_seed(0)
@@ -133,10 +132,6 @@ def _int8_matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# checked at import, not at the first call: a compiled graph (graph mode) reads the answer and cannot run the check
-_CPU_INT8_KERNEL = _check_cpu_int8_kernel()
-
-
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] int8 @ b [N, K] int8 (the nn.Linear layout) .T -> [M, N] int32, exact (no overflow for K < 133k).
 
@@ -144,9 +139,19 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     exact; otherwise, and on other devices, exact fp32 sums (see the module doc)."""
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"int8_matmul takes int8 operands, got {a.dtype} and {b.dtype}")
+    if torch.compiler.is_compiling() and a.device.type == "cpu":  # the kernel is picked by running ops (at the
+        return torch.ops.npu_cookbook.int8_matmul(a, b)  # first call), which a trace cannot: one opaque op
+    return _int8_matmul(a, b)
+
+
+def _int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _int_mm_exact_on(a):
         return torch._int_mm(a, b.T)
     return _int8_matmul_fp32(a, b)
+
+
+direct_register_custom_op("int8_matmul", _int8_matmul,
+                          lambda a, b: a.new_empty(a.shape[0], b.shape[0], dtype=torch.int32))
 
 
 def dequant(acc, weight_scale, x_scale, bias, dtype) -> torch.Tensor:
