@@ -95,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.cfg == 2 and not a.sampling.true_cfg:
         p.error("--cfg-parallel needs true CFG: --true-cfg-scale > 1 (and usually --negative-prompt)")
     if a.world_size:
-        print(a.sp * a.cfg)
+        sys.stdout.write(f"{a.sp * a.cfg}\n")  # one write: under torchrun both ranks print to one pipe
         sys.exit(0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if a.sp * a.cfg != world:
