@@ -197,13 +197,15 @@ def paged_attention(
             behind = Q - 1 - torch.arange(T, device=q.device) % Q  # [T]
             seq_lens = seq_lens.repeat_interleave(Q) - behind  # [T] keys each query sees
             block_tables = block_tables.repeat_interleave(Q, 0)  # [T, max_blocks]
-        if q.device.type == "cpu" and torch.compiler.is_compiling():  # a CPU graph: the keys each sequence holds
+        width = None
+        if max_seqlen_k is not None:
+            width = max_seqlen_k if sliding_window is None else min(max_seqlen_k, sliding_window)
+        window_bound = sliding_window is not None and width is not None and width <= TRACED_WINDOW_MAX
+        if q.device.type == "cpu" and torch.compiler.is_compiling() and not window_bound:
+            # a CPU graph: the keys each sequence holds, not max_model_len's
             out, lse = torch.ops.npu_cookbook.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                                            sliding_window)
         else:
-            width = None
-            if max_seqlen_k is not None:
-                width = max_seqlen_k if sliding_window is None else min(max_seqlen_k, sliding_window)
             out, lse = _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, width)
         if sinks is not None:
             out = apply_attention_sinks(out, lse, sinks)
@@ -228,6 +230,10 @@ def rows_at(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:])
 
 
+# A compiled CPU decode step pads a sliding window of at most this many keys (traced: inductor fuses the slot
+# arithmetic and the gather; the window bounds the padding); longer windows and full attention go through the
+# opaque paged_decode op, which reads the width the step's sequences hold on the host.
+TRACED_WINDOW_MAX = 512
 SHORT_ROWS = 4  # paged decode attends the rows of a quarter of the longest visible length or less on their own
 
 
