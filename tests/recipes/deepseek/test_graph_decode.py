@@ -8,6 +8,8 @@ cache small enough to preempt. The checkpoint has 3 Sinkhorn iterations (hc_sink
 config) because the compiled graph unrolls every one: graph == eager holds for any count, and the 20-iteration
 path is checked eager against transformers (test_parity_transformers.py).
 """
+import importlib
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -19,6 +21,7 @@ import modeling_deepseek_v4
 from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 
+paged = importlib.import_module("common.ops.reference.attention")  # the module (the package exports its function)
 PROMPT_LENGTHS = (5, 13, 37, 22)
 MAX_TOKENS = (60, 40, 20, 50)  # unequal: the batch shrinks 4 -> 3 -> 2 -> 1 (buckets 4, 4, 2, 1)
 ENGINE = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=8, num_blocks=12)
@@ -63,10 +66,12 @@ def test_graph_decode_equals_eager_with_chunked_prefill_and_preemption(setup):
 
 def test_graph_decode_reading_only_the_entries_the_sequences_hold_equals_eager(setup, monkeypatch):
     """Past PADDED_ENTRIES_MAX entries a sequence (max_seqlen_k / ratio: long max_model_len), a compiled CPU step
-    reads the compressed entries through one opaque op that takes the width its sequences hold on the host; forced
-    here at the tiny size, one bucket of 2 (steps of one sequence padded to it)."""
+    reads the compressed entries through one opaque op that takes the width its sequences hold on the host, and
+    past TRACED_WINDOW_MAX keys its window attention through the paged_decode op; both forced here at the tiny
+    size, one bucket of 2 (steps of one sequence padded to it)."""
     eager, _, prompts, path = setup
     monkeypatch.setattr(modeling_deepseek_v4, "PADDED_ENTRIES_MAX", 0)  # read when the graph is traced
+    monkeypatch.setattr(paged, "TRACED_WINDOW_MAX", 0)
     graph = LLM(load_model(path, torch.float32), AutoTokenizer.from_pretrained(path), exe_mode="graph",
                 graph_capture_sizes=(2,), **ENGINE)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
@@ -75,7 +80,8 @@ def test_graph_decode_reading_only_the_entries_the_sequences_hold_equals_eager(s
         got = graph.generate(prompts, params, use_tqdm=False)
     assert_same(want, got)
     assert graph.engine.runner.graphs.replays[2] > 0
-    assert any("deepseek_v4_compressed_attention" in e.key for e in prof.key_averages())  # the op ran in them
+    ran = {e.key for e in prof.key_averages()}
+    assert any("deepseek_v4_compressed_attention" in k for k in ran) and "npu_cookbook::paged_decode" in ran
 
 
 def test_graph_decode_equals_eager_on_a_prefix_cache_hit(setup):
