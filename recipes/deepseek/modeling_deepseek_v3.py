@@ -234,6 +234,15 @@ def is_decode_step(batch: ForwardBatch, num_tokens: int) -> bool:
     return 0 < q <= ABSORB_MAX_QUERIES and num_tokens == batch.num_seqs * q
 
 
+def split_decodes(cu_seqlens_q: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """Of a step's sequences, those with at most ABSORB_MAX_QUERIES new tokens (decodes, drafts, short chunks) and
+    the others (prompt chunks), where it has both; else None. Reads the query lengths on the host."""
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    short = [b for b, n in enumerate(q_lens) if 0 < n <= ABSORB_MAX_QUERIES]
+    long = [b for b, n in enumerate(q_lens) if n > ABSORB_MAX_QUERIES]
+    return (short, long) if short and long else None
+
+
 class Indexer(nn.Module):
     """V3.2's lightning indexer: per query, the top index_topk keys of its sequence by sum_h w_h relu(q_h . k).
 
@@ -315,8 +324,8 @@ if not hasattr(torch.ops.npu_cookbook, "deepseek_v32_decode_top_keys"):  # (this
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention over this rank's heads; `mode` "auto" (absorbed for decode steps, expanded
-    otherwise), "absorbed" or "expanded"."""
+    """Multi-head latent attention over this rank's heads; `mode` "auto" (absorbed for decode steps; in a step with
+    prompt chunks, the chunks expanded and its decodes absorbed), "absorbed" or "expanded"."""
 
     def __init__(self, args: ModelArgs, parallel: par.Parallel):
         super().__init__()
@@ -365,31 +374,69 @@ class MLAttention(nn.Module):
         ops.reshape_and_cache(row, None, self.kv_cache, None, batch.slot_mapping[LATENT])
         absorbed = self.mode == "absorbed" or (self.mode == "auto" and batch.max_seqlen_q <= ABSORB_MAX_QUERIES)
         kept = self.indexer(x, q_lora, rope, batch) if self.indexer is not None else None  # [T, k] positions
+        table = batch.block_tables[LATENT]
         if absorbed:
-            w_uk, w_uv = self.kv_b_proj.halves()  # [H, nope, R], [H, v, R]: contiguous views of kv_b_proj
-            q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H, T, nope] @ [H, nope, R] -> [T, H, R]
-            qa = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, R + Dr], one KV head: the cached row
-            if kept is not None:
-                rows = self.kv_cache.flatten(0, 1)  # [N * block_size, 1, R + Dr], read by slot
-                o = ops.sparse_attention(qa, rows, rows, position_slots(batch, kept), self.scale)  # [T, H, R + Dr]
-            else:
-                o = ops.paged_attention(qa, self.kv_cache, None, batch.block_tables[LATENT], batch.seq_lens,
-                                        batch.cu_seqlens_q, self.scale, max_seqlen_q=batch.max_seqlen_q,
-                                        max_seqlen_k=batch.max_seqlen_k)  # [T, H, R + Dr]
-            # W_UV [H, v, R] @ o^T [H, R, T]: the weight as it lies (its transpose would be copied each step)
-            o = torch.bmm(w_uv, o[..., : self.rank].permute(1, 2, 0)).permute(2, 0, 1)  # [H, v, T] -> [T, H, v]
+            o = self.attend_absorbed(q_nope, q_pe, table, batch.seq_lens, batch.cu_seqlens_q, batch.max_seqlen_q,
+                                     batch.max_seqlen_k, None if kept is None else position_slots(batch, kept))
+        elif self.mode == "auto" and (split := split_decodes(batch.cu_seqlens_q)) is not None:
+            o = self.attend_split(q_nope, q_pe, table, batch, kept, *split)
         else:
-            rows, cu_k = gather_rows(self.kv_cache, batch.block_tables[LATENT], batch.seq_lens)  # [S, 1, R + Dr]
-            k_nope, v = self.kv_b_proj.expand(rows[:, 0, : self.rank])  # [S, H, nope], [S, H, v]
-            k = torch.cat([k_nope, rows[:, :, self.rank :].expand(-1, H, -1)], dim=-1)  # [S, H, nope + Dr]
-            qf = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, nope + Dr]
-            if kept is not None:
-                start = cu_k[:-1].long()[batch.seq_ids]  # [T]
-                idx = torch.where(kept >= 0, kept + start[:, None], -1)  # [T, k] rows of the gathered keys
-                o = ops.sparse_attention(qf, k, v, idx, self.scale)  # [T, H, v]
-            else:
-                o = ops.attention(qf, k, v, batch.cu_seqlens_q, cu_k, self.scale, causal=True)  # [T, H, v]
+            o = self.attend_expanded(q_nope, q_pe, table, batch.seq_lens, batch.cu_seqlens_q, batch.seq_ids, kept)
         return par.all_reduce(self.o_proj(o.reshape(T, H * self.v_dim)), self.tp_group)  # [T, D]
+
+    def attend_absorbed(self, q_nope, q_pe, table, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                        kept_slots=None):
+        """Attention over the latent rows themselves, W_UK folded into the query and W_UV into the output (MQA over
+        one 576-wide KV head): q_nope [t, H, nope], q_pe [t, H, Dr] of the sequences of `table` [b, max_blocks]
+        -> [t, H, v]. kept_slots [t, k]: V3.2's selected cache rows (-1: none), else every row a sequence holds."""
+        w_uk, w_uv = self.kv_b_proj.halves()  # [H, nope, R], [H, v, R]: contiguous views of kv_b_proj
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H, t, nope] @ [H, nope, R] -> [t, H, R]
+        qa = torch.cat([q_lat, q_pe], dim=-1)  # [t, H, R + Dr], one KV head: the cached row
+        if kept_slots is not None:
+            rows = self.kv_cache.flatten(0, 1)  # [N * block_size, 1, R + Dr], read by slot
+            o = ops.sparse_attention(qa, rows, rows, kept_slots, self.scale)  # [t, H, R + Dr]
+        else:
+            o = ops.paged_attention(qa, self.kv_cache, None, table, seq_lens, cu_seqlens_q, self.scale,
+                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)  # [t, H, R + Dr]
+        # W_UV [H, v, R] @ o^T [H, R, t]: the weight as it lies (its transpose would be copied each step)
+        return torch.bmm(w_uv, o[..., : self.rank].permute(1, 2, 0)).permute(2, 0, 1)  # [H, v, t] -> [t, H, v]
+
+    def attend_expanded(self, q_nope, q_pe, table, seq_lens, cu_seqlens_q, seq_ids, kept=None):
+        """Attention over K / V expanded from every cached latent row of the sequences of `table` [b, max_blocks]
+        (kv_b_proj over S rows: prompt chunks, whose queries outnumber what absorbing saves) -> [t, H, v].
+        seq_ids [t]: each query's row of `table`; kept [t, k]: V3.2's selected positions (-1: none)."""
+        H = self.heads
+        rows, cu_k = gather_rows(self.kv_cache, table, seq_lens)  # [S, 1, R + Dr]
+        k_nope, v = self.kv_b_proj.expand(rows[:, 0, : self.rank])  # [S, H, nope], [S, H, v]
+        k = torch.cat([k_nope, rows[:, :, self.rank :].expand(-1, H, -1)], dim=-1)  # [S, H, nope + Dr]
+        qf = torch.cat([q_nope, q_pe], dim=-1)  # [t, H, nope + Dr]
+        if kept is not None:
+            start = cu_k[:-1].long()[seq_ids]  # [t]
+            idx = torch.where(kept >= 0, kept + start[:, None], -1)  # [t, k] rows of the gathered keys
+            return ops.sparse_attention(qf, k, v, idx, self.scale)  # [t, H, v]
+        return ops.attention(qf, k, v, cu_seqlens_q, cu_k, self.scale, causal=True)  # [t, H, v]
+
+    def attend_split(self, q_nope, q_pe, table, batch: ForwardBatch, kept, short: list[int], long: list[int]
+                     ) -> torch.Tensor:
+        """A step of decodes (or short chunks) beside prompt chunks: the `short` sequences absorbed, the `long`
+        ones expanded, as vLLM's MLA splits a step, so that the decodes' whole cached prefixes are not expanded
+        through kv_b_proj for the chunks' sake. kept [T, k]: V3.2's selected positions, or None. -> [T, H, v]"""
+        cu = batch.cu_seqlens_q.tolist()  # host: a prompt step reads its lengths anyway (gather_rows)
+        slots = None if kept is None else position_slots(batch, kept)  # [T, k] cache rows of the kept positions
+        o = q_nope.new_empty(q_nope.shape[0], self.heads, self.v_dim)  # [T, H, v]
+        for seqs, absorb in ((short, True), (long, False)):
+            lens = [cu[b + 1] - cu[b] for b in seqs]
+            rows = torch.tensor([r for b in seqs for r in range(cu[b], cu[b + 1])], device=o.device)  # [t]
+            cu_q = F.pad(torch.tensor(lens, device=o.device).cumsum(0), (1, 0)).int()  # [b+1]
+            pick = torch.tensor(seqs, device=o.device)  # [b]
+            args = (q_nope[rows], q_pe[rows], table[pick], batch.seq_lens[pick], cu_q)
+            if absorb:
+                o[rows] = self.attend_absorbed(*args, max(lens), None, None if slots is None else slots[rows])
+            else:
+                seq_ids = torch.repeat_interleave(torch.arange(len(seqs), device=o.device),
+                                                  torch.tensor(lens, device=o.device))  # [t] rows of table[pick]
+                o[rows] = self.attend_expanded(*args, seq_ids, None if kept is None else kept[rows])
+        return o
 
 
 class MLP(nn.Module):

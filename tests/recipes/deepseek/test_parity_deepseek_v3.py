@@ -22,7 +22,7 @@ from common.kv_cache import cache_bytes_per_block
 from common.loader import Checkpoint, save_checkpoint
 from common.ops.emulator import TorchNpuEmulator
 from config_deepseek_v3 import ModelArgs
-from modeling_deepseek_v3 import LATENT, yarn_inv_freq
+from modeling_deepseek_v3 import LATENT, split_decodes, yarn_inv_freq
 from tiny_deepseek_v3 import tiny_config, write_tiny_checkpoint
 from weights_deepseek_v3 import load_model
 
@@ -127,6 +127,30 @@ def test_packed_batch_equals_one_sequence_at_a_time(checkpoints):
     packed = prefill_logits(model, prompts)
     alone = torch.cat([prefill_logits(model, [p]) for p in prompts])
     torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-5)
+
+
+def test_split_decodes_parts_a_step_by_its_query_lengths():
+    cu = torch.tensor([0, 1, 13, 14, 54], dtype=torch.int32)  # a decode, a chunk of 12, a decode, a chunk of 40
+    assert split_decodes(cu) == ([0, 2], [1, 3])
+    assert split_decodes(torch.tensor([0, 8, 17], dtype=torch.int32)) == ([0], [1])  # 8 new tokens short, 9 long
+    assert split_decodes(torch.tensor([0, 1, 2], dtype=torch.int32)) is None  # decodes only: absorbed whole
+    assert split_decodes(torch.tensor([0, 12, 52], dtype=torch.int32)) is None  # chunks only: expanded whole
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_step_of_short_and_long_prompts_equals_transformers(checkpoints, variant):
+    """One step of prompts of 5, 13 and 40 tokens: auto attends the 5 absorbed (as it would a decode beside
+    prompt chunks; V3.2 over its indexer's selection) and the others expanded; every position's logits are
+    transformers' own."""
+    _, paths = checkpoints
+    path, reference = paths[variant]
+    model = load_model(path, dtype=torch.float32)
+    prompts = _prompts(model.args.vocab_size)
+    assert split_decodes(torch.tensor([0, *torch.tensor(PROMPT_LENGTHS).cumsum(0).tolist()])) == ([0], [1, 2])
+    got = prefill_logits(model, prompts)  # [sum L, V]
+    with torch.no_grad():
+        expected = torch.cat([reference(torch.tensor([ids])).logits[0] for ids in prompts])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["v32", "kimi"])  # q LoRA + indexer + groups; q_proj + no groups
