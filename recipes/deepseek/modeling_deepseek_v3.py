@@ -234,10 +234,10 @@ def is_decode_step(batch: ForwardBatch, num_tokens: int) -> bool:
     return 0 < q <= ABSORB_MAX_QUERIES and num_tokens == batch.num_seqs * q
 
 
-def split_decodes(cu_seqlens_q: torch.Tensor) -> tuple[list[int], list[int]] | None:
-    """Of a step's sequences, those with at most ABSORB_MAX_QUERIES new tokens (decodes, drafts, short chunks) and
-    the others (prompt chunks), where it has both; else None. Reads the query lengths on the host."""
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+def split_decodes(cu: list[int]) -> tuple[list[int], list[int]] | None:
+    """Of a step's sequences (cu: cu_seqlens_q on the host), those with at most ABSORB_MAX_QUERIES new tokens
+    (decodes, drafts, short chunks) and the others (prompt chunks), where it has both; else None."""
+    q_lens = [end - start for start, end in zip(cu, cu[1:])]
     short = [b for b, n in enumerate(q_lens) if 0 < n <= ABSORB_MAX_QUERIES]
     long = [b for b, n in enumerate(q_lens) if n > ABSORB_MAX_QUERIES]
     return (short, long) if short and long else None
@@ -378,8 +378,9 @@ class MLAttention(nn.Module):
         if absorbed:
             o = self.attend_absorbed(q_nope, q_pe, table, batch.seq_lens, batch.cu_seqlens_q, batch.max_seqlen_q,
                                      batch.max_seqlen_k, None if kept is None else position_slots(batch, kept))
-        elif self.mode == "auto" and (split := split_decodes(batch.cu_seqlens_q)) is not None:
-            o = self.attend_split(q_nope, q_pe, table, batch, kept, *split)
+        # a step with prompt chunks reads its lengths on the host (its gather_rows does anyway)
+        elif self.mode == "auto" and (split := split_decodes(cu := batch.cu_seqlens_q.tolist())) is not None:
+            o = self.attend_split(q_nope, q_pe, table, batch, kept, cu, *split)
         else:
             o = self.attend_expanded(q_nope, q_pe, table, batch.seq_lens, batch.cu_seqlens_q, batch.seq_ids, kept)
         return par.all_reduce(self.o_proj(o.reshape(T, H * self.v_dim)), self.tp_group)  # [T, D]
@@ -416,12 +417,12 @@ class MLAttention(nn.Module):
             return ops.sparse_attention(qf, k, v, idx, self.scale)  # [t, H, v]
         return ops.attention(qf, k, v, cu_seqlens_q, cu_k, self.scale, causal=True)  # [t, H, v]
 
-    def attend_split(self, q_nope, q_pe, table, batch: ForwardBatch, kept, short: list[int], long: list[int]
-                     ) -> torch.Tensor:
+    def attend_split(self, q_nope, q_pe, table, batch: ForwardBatch, kept, cu: list[int], short: list[int],
+                     long: list[int]) -> torch.Tensor:
         """A step of decodes (or short chunks) beside prompt chunks: the `short` sequences absorbed, the `long`
         ones expanded, as vLLM's MLA splits a step, so that the decodes' whole cached prefixes are not expanded
-        through kv_b_proj for the chunks' sake. kept [T, k]: V3.2's selected positions, or None. -> [T, H, v]"""
-        cu = batch.cu_seqlens_q.tolist()  # host: a prompt step reads its lengths anyway (gather_rows)
+        through kv_b_proj for the chunks' sake. kept [T, k]: V3.2's selected positions, or None; cu: the step's
+        cu_seqlens_q on the host. -> [T, H, v]"""
         slots = None if kept is None else position_slots(batch, kept)  # [T, k] cache rows of the kept positions
         o = q_nope.new_empty(q_nope.shape[0], self.heads, self.v_dim)  # [T, H, v]
         for seqs, absorb in ((short, True), (long, False)):

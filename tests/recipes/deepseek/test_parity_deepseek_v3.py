@@ -130,11 +130,10 @@ def test_packed_batch_equals_one_sequence_at_a_time(checkpoints):
 
 
 def test_split_decodes_parts_a_step_by_its_query_lengths():
-    cu = torch.tensor([0, 1, 13, 14, 54], dtype=torch.int32)  # a decode, a chunk of 12, a decode, a chunk of 40
-    assert split_decodes(cu) == ([0, 2], [1, 3])
-    assert split_decodes(torch.tensor([0, 8, 17], dtype=torch.int32)) == ([0], [1])  # 8 new tokens short, 9 long
-    assert split_decodes(torch.tensor([0, 1, 2], dtype=torch.int32)) is None  # decodes only: absorbed whole
-    assert split_decodes(torch.tensor([0, 12, 52], dtype=torch.int32)) is None  # chunks only: expanded whole
+    assert split_decodes([0, 1, 13, 14, 54]) == ([0, 2], [1, 3])  # a decode, a chunk of 12, a decode, one of 40
+    assert split_decodes([0, 8, 17]) == ([0], [1])  # 8 new tokens short, 9 long
+    assert split_decodes([0, 1, 2]) is None  # decodes only: absorbed whole
+    assert split_decodes([0, 12, 52]) is None  # chunks only: expanded whole
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -146,7 +145,7 @@ def test_step_of_short_and_long_prompts_equals_transformers(checkpoints, variant
     path, reference = paths[variant]
     model = load_model(path, dtype=torch.float32)
     prompts = _prompts(model.args.vocab_size)
-    assert split_decodes(torch.tensor([0, *torch.tensor(PROMPT_LENGTHS).cumsum(0).tolist()])) == ([0], [1, 2])
+    assert split_decodes([0, *torch.tensor(PROMPT_LENGTHS).cumsum(0).tolist()]) == ([0], [1, 2])
     got = prefill_logits(model, prompts)  # [sum L, V]
     with torch.no_grad():
         expected = torch.cat([reference(torch.tensor([ids])).logits[0] for ids in prompts])
