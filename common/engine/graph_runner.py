@@ -10,9 +10,13 @@ step (prefill, mixed prefill + decode, an MTP step whose drafts were cut short) 
 
 CPU: each bucket is `torch.compile(fullgraph=True, dynamic=False)` (inductor), compiled at start-up, one bucket
 after the other under a progress bar, by a step over padding alone (padding writes only to the null block). On one
-rank with one token a sequence (`shape_generic`), the buckets above 1 share one graph, as vLLM compiles one graph
-over a symbolic token count: the largest bucket is traced with its batch dimension marked dynamic
-(`mark_batch_dynamic`), the others reuse it; bucket 1 has a static graph of its own (dynamo specialises size 1).
+rank with one token a sequence (`shape_generic`), the buckets share one graph, as vLLM compiles one graph over a
+symbolic token count: the largest bucket is traced with its batch dimension marked dynamic (`mark_batch_dynamic`)
+and size-oblivious (`size_oblivious`: nothing assumed of a batch of 0 or 1), the others reuse it. Bucket 1 reuses it
+too where the traced graph guards nothing on the batch size being above 1 (DeepSeek-V4: V4's 7 bench buckets
+compiled in 72 s cold instead of 115 s with a static graph for bucket 1, its batch-1 step as fast or faster, Zen 4,
+2026-12-06); where it does (V3: inductor's CPU lowering of a bmm whose operand has a batch-sized dimension and a
+layout still its to choose guards on that size being 1), dynamo compiles bucket 1 a static graph of its own.
 With MTP (inductor failed to generate a region over T = (1 + k) B) and over several ranks (the collectives size
 their buffers on the host) every bucket has its own graph. Within
 a graph, the parts a model marks `compile_region` (V4's attention, MoE: common/engine/compile_region.py)
@@ -87,10 +91,18 @@ def graph_capable(device: torch.device) -> bool:
 
 def mark_batch_dynamic(batch: ForwardBatch) -> None:
     """Mark the batch dimension of every per-sequence and per-token input dynamic, so that dynamo traces the graph
-    over a symbolic batch size (any size above 1: dynamo specialises 0 and 1) instead of this batch's."""
+    over a symbolic batch size instead of this batch's (traced under `size_oblivious`, bucket 1 included)."""
     for t in (batch.input_ids, batch.positions, batch.seq_ids, batch.cu_seqlens_q, batch.seq_lens,
               *batch.block_tables.values(), *batch.slot_mapping.values()):
         torch._dynamo.mark_dynamic(t, 0)
+
+
+def size_oblivious():
+    """The context a shape-generic graph is traced in: its batch size's symbol assumes nothing of 0 or 1 (dynamo
+    otherwise specialises them, and bucket 1 would compile a graph of its own)."""
+    import torch.fx.experimental._config as fx_config
+
+    return fx_config.patch(backed_size_oblivious=True)
 
 
 def decode_step(model, mtp, batch: ForwardBatch):
@@ -185,20 +197,18 @@ class GraphRunner:
 
     @property
     def shape_generic(self) -> bool:
-        """Whether the buckets above 1 share one graph over a symbolic batch size (CPU, one rank, one token a
-        sequence, two or more such buckets); else every bucket compiles a graph of its own."""
-        return (self.device.type == "cpu" and self.one_rank and self.query_len == 1
-                and sum(n > 1 for n in self.sizes) > 1)
+        """Whether the buckets share one graph over a symbolic batch size (CPU, one rank, one token a sequence, two
+        or more buckets); else every bucket compiles a graph of its own."""
+        return self.device.type == "cpu" and self.one_rank and self.query_len == 1 and len(self.sizes) > 1
 
     def compile_order(self) -> list[int]:
         """The buckets in the order `capture` compiles them: CUDA the largest first (its memory pool); shape-generic
-        bucket 1 (static), then the largest (traced generic), then the rest (reusing it); else the smallest first."""
+        the largest (traced generic), then the rest (reusing it); else the smallest first."""
         if self.device.type == "cuda":
             return sorted(self.sizes, reverse=True)
         if not self.shape_generic:
             return sorted(self.sizes)
-        rest = sorted(n for n in self.sizes if 1 < n < max(self.sizes))
-        return [n for n in self.sizes if n == 1] + [max(self.sizes)] + rest
+        return [max(self.sizes)] + sorted(n for n in self.sizes if n < max(self.sizes))
 
     @torch.inference_mode()
     def capture(self, show_progress: bool = True) -> None:
@@ -215,9 +225,12 @@ class GraphRunner:
             for n in tqdm(self.compile_order(), desc="compile decode graphs", unit="bucket",
                           disable=not show_progress):
                 self._inputs[n] = self.padding(n)
-                if self.shape_generic and n == max(self.sizes):
-                    mark_batch_dynamic(self._inputs[n])  # the other buckets above 1 then reuse its graph
-                self._compiled(self._inputs[n])
+                if self.shape_generic and n == self.compile_order()[0]:
+                    mark_batch_dynamic(self._inputs[n])  # the other buckets then reuse its graph
+                    with size_oblivious():
+                        self._compiled(self._inputs[n])
+                else:
+                    self._compiled(self._inputs[n])
                 if cuda:
                     self._capture_cuda(n)
         self.num_graphs = len(_debug_get_cache_entry_list(self._step.__code__)) - compiled_before

@@ -371,7 +371,9 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.view(self.groups, -1, x.shape[-1])  # [G, R, I]
-        return torch.einsum("tgi,gri->tgr", x, w)
+        o = torch.bmm(x.transpose(0, 1), w.transpose(1, 2))  # [G, T, R]
+        # laid out [T, G, R] here (bmm and clone, not einsum, which guards a graph on T != 1)
+        return o.transpose(0, 1).clone(memory_format=torch.contiguous_format)
 
 
 def visible_entries(positions: torch.Tensor, seq_ids: torch.Tensor, cu_entries: torch.Tensor, ratio: int,
@@ -593,13 +595,14 @@ def hc_pre(x, fn, base, scale, n: int, iters: int, eps: float, norm_eps: float):
 
 def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Expand the block output into n streams and mix in the residual streams: [T, D] -> [T, n, D]."""
-    mix = comb.to(x.dtype).transpose(1, 2)  # [T, n, n]: mixed[i] = sum_j comb[j, i] x[j]
+    mix = comb.to(x.dtype)  # [T, n, n]: mixed[i] = sum_j comb[j, i] x[j]
     # compiled: the bmm's math (fp32 products and sum, one rounding) as one fused loop; an extern bmm of n x n
-    # matrices took 3.6x its time in a graph (T = 16, Xeon: 70 against 19 us)
+    # matrices took 3.6x its time in a graph (T = 16, Xeon: 70 against 19 us). Summed over comb's rows as they lie
+    # (a transposed view's unsqueeze would guard a graph over a symbolic T on T != 1)
     if torch.compiler.is_compiling():
-        mixed = (mix.float().unsqueeze(-1) * x.float().unsqueeze(1)).sum(2).to(x.dtype)  # [T, n, D]
+        mixed = (mix.float().unsqueeze(-1) * x.float().unsqueeze(2)).sum(1).to(x.dtype)  # [T, n, D]
     else:
-        mixed = mix @ x  # [T, n, D]
+        mixed = mix.transpose(1, 2) @ x  # [T, n, D]
     return post.to(x.dtype).unsqueeze(-1) * out.unsqueeze(1) + mixed
 
 

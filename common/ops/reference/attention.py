@@ -321,9 +321,11 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping: torch.Tensor) -> Non
     data-dependent shape (a padded decode step captures it as it is). Two rows on one slot: one of them wins.
     """
     slots = slot_mapping.long()  # [T]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k
+    # index_copy_, not `[slots] = k`: the same write, and no broadcast of k to guard on (a graph traced over a
+    # symbolic batch size then serves a batch of one too)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
     if v is not None:
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
 def sparse_attention(

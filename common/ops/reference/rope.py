@@ -12,6 +12,8 @@ def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     interleaved mode [c0, c0, c1, c1, ..] with rotate(x) taking each pair (x0, x1) to (-x1, x0).
     """
     x32 = x.float()  # [T, H, R]
+    if torch.compiler.is_compiling():  # a value of the graph's own (fp32 x as it lies: its slices' views would guard
+        x32 = x32.clone(memory_format=torch.contiguous_format)  # a graph over a symbolic T on T != 1); fused away
     if interleaved:
         rotated = torch.stack((-x32[..., 1::2], x32[..., 0::2]), dim=-1).flatten(-2)  # [T, H, R]
     else:

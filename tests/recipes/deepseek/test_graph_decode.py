@@ -2,7 +2,7 @@
 
 fp32, the tiny checkpoint with index_topk 4: the CSA indexer's top-k binds (the sequences here end with 13-18
 compressed entries, (prompt + output) / 4), so the graph's fixed-width top-k must select exactly what eager does.
-One graph engine (buckets 1, 2 and 4, compiled once for the module: the CPU compile is the slow part; 2 and 4
+One graph engine (buckets 1, 2 and 4, compiled once for the module: the CPU compile is the slow part; the three
 share one graph over a symbolic batch size) serves every scenario, with chunked prefill (8 tokens a step) and a
 cache small enough to preempt. The checkpoint has 3 Sinkhorn iterations (hc_sinkhorn_iters, 20 in the tiny
 config) because the compiled graph unrolls every one: graph == eager holds for any count, and the 20-iteration
@@ -58,7 +58,7 @@ def test_graph_decode_equals_eager_with_chunked_prefill_and_preemption(setup):
     assert_same(want, got)
     runs = {n: graph.engine.runner.graphs.replays[n] - before[n] for n in before}
     assert runs[1] > 0 and runs[2] > 0 and runs[4] > 0  # every bucket ran decode steps
-    assert graph.engine.runner.graphs.num_graphs == 2  # bucket 1's, and one over the batch size for 2 and 4
+    assert graph.engine.runner.graphs.num_graphs == 1  # one over the batch size, buckets 1, 2 and 4
     assert graph.engine.scheduler.num_preemptions > 0 and eager.engine.scheduler.num_preemptions > 0
     assert max(graph.engine.stats.recent_step_tokens) <= 8  # prompts went in chunks beside the decodes
     assert graph.engine.kv_cache.all_blocks_free() and eager.engine.kv_cache.all_blocks_free()
@@ -188,9 +188,9 @@ def test_graph_mode_refuses_a_device_it_cannot_capture_on(setup):
         GraphRunner(model, model.engine_contract(), config, ["g"], torch.device("meta"), keep_streams=False)
 
 
-def test_buckets_above_one_share_a_graph_only_where_a_step_is_one_token_a_sequence(setup):
-    """The compile order: bucket 1 (static), then the largest (traced over a symbolic batch size), then the rest,
-    which reuse its graph; with MTP (1 + k tokens a sequence) or one bucket above 1, a graph per bucket."""
+def test_buckets_share_a_graph_only_where_a_step_is_one_token_a_sequence(setup):
+    """The compile order: the largest bucket (traced over a symbolic batch size), then the rest, which reuse its
+    graph; with MTP (1 + k tokens a sequence) or a single bucket, a graph per bucket."""
     from common.engine.graph_runner import GraphRunner
     *_, path = setup
     model = load_model(path, torch.float32)
@@ -200,9 +200,10 @@ def test_buckets_above_one_share_a_graph_only_where_a_step_is_one_token_a_sequen
         return GraphRunner(model, model.engine_contract(), resolved, ["g"], torch.device("cpu"), keep_streams=False)
 
     generic = runner(graph_capture_sizes=(1, 2, 4, 8))
-    assert generic.shape_generic and generic.compile_order() == [1, 8, 2, 4]
+    assert generic.shape_generic and generic.compile_order() == [8, 1, 2, 4]
+    assert runner(graph_capture_sizes=(1, 8)).compile_order() == [8, 1]
     for per_bucket in (runner(graph_capture_sizes=(1, 2, 4, 8), num_speculative_tokens=1),
-                       runner(graph_capture_sizes=(1, 8))):
+                       runner(graph_capture_sizes=(8,))):
         assert not per_bucket.shape_generic and per_bucket.compile_order() == sorted(per_bucket.sizes)
 
 
