@@ -12,9 +12,12 @@ def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     interleaved mode [c0, c0, c1, c1, ..] with rotate(x) taking each pair (x0, x1) to (-x1, x0).
     """
     x32 = x.float()  # [T, H, R]
-    if torch.compiler.is_compiling():  # a value of the graph's own (fp32 x as it lies: its slices' views would guard
-        x32 = x32.clone(memory_format=torch.contiguous_format)  # a graph over a symbolic T on T != 1); fused away
-    if interleaved:
+    if interleaved and torch.compiler.is_compiling():
+        # the same values gathered, (-x1, x0) at pair (x0, x1): a strided slice of a buffer the graph does not own
+        # (fp32 x) stacked would guard a graph over a symbolic T on T != 1
+        idx = torch.arange(x.shape[-1], device=x.device)  # [R]
+        rotated = x32.index_select(-1, idx ^ 1) * (idx % 2 * 2 - 1)  # [T, H, R]
+    elif interleaved:
         rotated = torch.stack((-x32[..., 1::2], x32[..., 0::2]), dim=-1).flatten(-2)  # [T, H, R]
     else:
         x1, x2 = x32.chunk(2, dim=-1)  # [T, H, R/2] each
