@@ -58,6 +58,7 @@ fixed-capacity buffers (common.parallel.dispatch_to_experts) instead of splits r
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -222,14 +223,13 @@ class GraphRunner:
         # one compiled graph per bucket, for every engine of the process: dynamo counts them all against the code
         # of decode_step's lambda (the default limit, 8, would turn a second graph engine's buckets eager)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
-            for n in tqdm(self.compile_order(), desc="compile decode graphs", unit="bucket",
-                          disable=not show_progress):
+            order = self.compile_order()
+            for n in tqdm(order, desc="compile decode graphs", unit="bucket", disable=not show_progress):
                 self._inputs[n] = self.padding(n)
-                if self.shape_generic and n == self.compile_order()[0]:
-                    mark_batch_dynamic(self._inputs[n])  # the other buckets then reuse its graph
-                    with size_oblivious():
-                        self._compiled(self._inputs[n])
-                else:
+                generic = self.shape_generic and n == order[0]  # the other buckets then reuse its graph
+                if generic:
+                    mark_batch_dynamic(self._inputs[n])
+                with size_oblivious() if generic else contextlib.nullcontext():
                     self._compiled(self._inputs[n])
                 if cuda:
                     self._capture_cuda(n)
