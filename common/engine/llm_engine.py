@@ -462,7 +462,7 @@ class LLMEngine:
         refuses it; "stop" once the grammar has terminated)."""
         p, tok = req.sampling_params, req.output_token_ids[-1]
         reason = None
-        if req.grammar is not None and not StructuredOutputManager.accept(req.grammar, tok):
+        if req.grammar is not None and not self.structured_output.accept(req.grammar, tok):
             req.error = (f"token {tok} does not continue the request's structured_outputs grammar (after "
                          f"{len(req.output_token_ids) - 1} output tokens)")
             return "error"

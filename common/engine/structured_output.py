@@ -15,7 +15,15 @@ d_1..d_i: the matcher walks the drafts, filling a mask per row, then rolls back 
 draft the matcher refuses on, the rows are left unmasked: that draft's own row forbids it, so verification rejects
 it (greedy: the row's masked argmax differs; sampled: its masked probability is 0) and no later row is committed.
 Once the grammar is complete only the stop tokens (the model's EOS) are allowed; a matcher that accepted one has
-terminated and the request stops ("stop"), also under ignore_eos.
+terminated and the request stops ("stop"), also under ignore_eos. Each row's mask is also ANDed with the tokens that
+continue the output as well-formed UTF-8 (utf8_masks.py: xgrammar takes an encoded surrogate for a character), and
+`accept` refuses a token that would not.
+
+xgrammar 0.2.9 writes the characters of a JSON string bounded by minLength / maxLength as any but `"`, `\\`, CR and
+LF, so other raw control characters (which JSON forbids) get into the JSON: `compile` takes such a schema (or
+structural tag) through xgrammar's EBNF with that rule fixed (json_string_bounds_fixed; the cache is then keyed by
+the EBNF). Such a string takes no escape, as in xgrammar. With a pattern or a format xgrammar would drop the bound:
+refused.
 
 With `reasoning_end_token_id`, rows up to the one that samples that token are free; the next row is the first
 constrained one, also when the token is a draft inside the verify window.
@@ -34,6 +42,7 @@ import torch
 import xgrammar as xgr
 
 from .sampling_params import StructuredOutputsParams
+from .utf8_masks import COMPLETE, Utf8Masks, Utf8State
 
 MAX_THREADS = min(8, max(1, (os.cpu_count() or 2) // 2))  # xgrammar's compile and batch-fill threads
 # whitespace a JSON grammar allows in one run (between two tokens of the JSON): room for pretty-printing four levels
@@ -45,15 +54,20 @@ JSON_FORMATS = {"date-time", "time", "date", "duration", "email", "hostname", "i
                 "uuid", "uri-template", "json-pointer", "relative-json-pointer"}
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 NOT_SCHEMAS = ("enum", "const", "default", "examples", "required", "dependentRequired", "description", "title")
+# xgrammar 0.2.9's rule for the characters of a JSON string bounded by minLength / maxLength, and JSON's own
+_BOUNDED_CHARACTERS = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_JSON_RAW_CHARACTER = r'(([^\0-\x1f\"\\]))'
 _XGR_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
 @dataclass(eq=False)
 class GrammarState:
-    """One request's grammar: its matcher, and whether the reasoning before the constraint is over."""
+    """One request's grammar: its matcher, whether the reasoning before the constraint is over, and where the
+    constrained output's last character stands in UTF-8."""
     matcher: xgr.GrammarMatcher
     reasoning_end_token_id: int | None
     reasoning_ended: bool
+    utf8: Utf8State = COMPLETE
 
 
 class StructuredOutputManager:
@@ -67,6 +81,7 @@ class StructuredOutputManager:
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True,
                                             cache_limit_bytes=cache_limit_bytes)
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads)
+        self.utf8 = Utf8Masks(self.tokenizer_info.decoded_vocab, vocab_size)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [rows, ceil(V / 32)] int32, grown as needed
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
@@ -76,7 +91,7 @@ class StructuredOutputManager:
         if end is not None and end >= self.vocab_size:
             raise ValueError(f"structured_outputs.reasoning_end_token_id {end} is not a token id "
                              f"(vocabulary {self.vocab_size})")
-        value = getattr(params, kind)
+        value, bounded = getattr(params, kind), False
         if kind in ("json", "structural_tag"):
             loaded = json.loads(value) if isinstance(value, str) else value
             unsupported = (unsupported_json_schema_features(loaded) if kind == "json"
@@ -84,8 +99,14 @@ class StructuredOutputManager:
             if unsupported:
                 raise ValueError(f"structured_outputs.{kind}: unsupported JSON schema feature(s): "
                                  f"{'; '.join(unsupported)}")
+            bounded = _has_string_bounds(loaded if kind == "json" else _tag_schemas(loaded, json_style_only=True))
             value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         try:
+            if kind in ("json", "structural_tag") and bounded:  # through xgrammar's EBNF, its string rule fixed
+                grammar = (xgr.Grammar.from_json_schema(value, any_whitespace=not params.disable_any_whitespace,
+                                                        max_whitespace_cnt=JSON_MAX_WHITESPACE)
+                           if kind == "json" else xgr.Grammar.from_structural_tag(value))
+                return self.compiler.compile_grammar(json_string_bounds_fixed(str(grammar)))
             if kind in ("json", "json_object"):
                 return self.compiler.compile_json_schema(value if kind == "json" else '{"type": "object"}',
                                                          any_whitespace=not params.disable_any_whitespace,
@@ -133,6 +154,9 @@ class StructuredOutputManager:
                     indices = [rows[j][1] + level for j in picked]
                     self.batch_matcher.batch_fill_next_token_bitmask([rows[j][0].matcher for j in picked],
                                                                      self.bitmask, indices)
+                    for j, index in zip(picked, indices):
+                        state, _, drafts = rows[j]
+                        self.bitmask[index] &= self.utf8.mask(self._utf8_state(state, drafts, starts[j], level))
                     filled += indices
         finally:  # also when a matcher raises: no state is left advanced by a draft
             for (state, _, _), w in zip(rows, walked):
@@ -142,14 +166,24 @@ class StructuredOutputManager:
             bitmask = self.bitmask[:n].to(logits.device, non_blocking=True)  # [N, ceil(V / 32)]
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=filled)
 
-    @staticmethod
-    def accept(state: GrammarState, token: int) -> bool:
-        """Advance a request's grammar by its committed token; False when the grammar forbids it (a masked row
-        never samples one: the caller fails the request)."""
+    def accept(self, state: GrammarState, token: int) -> bool:
+        """Advance a request's grammar by its committed token; False when the grammar forbids it or it breaks the
+        output's UTF-8 (a masked row never samples one: the caller fails the request)."""
         if not state.reasoning_ended:
             state.reasoning_ended = token == state.reasoning_end_token_id
             return True
-        return state.matcher.accept_token(token)
+        utf8 = self.utf8.after(state.utf8, token)
+        if utf8 is None or not state.matcher.accept_token(token):
+            return False
+        state.utf8 = utf8
+        return True
+
+    def _utf8_state(self, state: GrammarState, drafts: list[int], first: int, level: int) -> Utf8State:
+        """The UTF-8 state of the row after drafts d_1..d_level, of which the grammar constrains d_first+1.. on."""
+        utf8 = state.utf8
+        for d in drafts[first:level]:
+            utf8 = self.utf8.after(utf8, d) or COMPLETE  # rows after a draft that breaks UTF-8: never committed
+        return utf8
 
     @staticmethod
     def is_terminated(state: GrammarState) -> bool:
@@ -187,6 +221,8 @@ def unsupported_json_schema_features(schema, path: str = "#") -> list[str]:
         out.append(f"string format {schema['format']!r} at {path}")
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         out.append(f"'allOf' with several schemas at {path}")
+    out += [f"'{bound}' with '{other}' at {path}" for bound in ("minLength", "maxLength") if bound in schema
+            for other in ("pattern", "format") if other in schema]
     for key, value in schema.items():
         if key in NOT_SCHEMAS:
             continue
@@ -201,14 +237,31 @@ def unsupported_json_schema_features(schema, path: str = "#") -> list[str]:
     return out
 
 
-def _tag_schemas(tag) -> list:
-    """The JSON schemas inside a structural tag."""
+def json_string_bounds_fixed(ebnf: str) -> str:
+    """xgrammar's EBNF with the characters of each JSON string bounded by minLength / maxLength being those JSON
+    allows raw: any but `"`, `\\` and U+0000..U+001F (xgrammar 0.2.9 writes [^"\\\r\n])."""
+    return _BOUNDED_CHARACTERS.sub(lambda m: f"{m.group(1)} ::= {_JSON_RAW_CHARACTER}", ebnf)
+
+
+def _has_string_bounds(schema) -> bool:
+    if isinstance(schema, list):
+        return any(_has_string_bounds(s) for s in schema)
+    if not isinstance(schema, dict):
+        return False
+    return "minLength" in schema or "maxLength" in schema or any(
+        _has_string_bounds(list(value.values()) if key in SCHEMA_MAPS and isinstance(value, dict) else value)
+        for key, value in schema.items() if key not in NOT_SCHEMAS)
+
+
+def _tag_schemas(tag, json_style_only: bool = False) -> list:
+    """The JSON schemas inside a structural tag (json_style_only: those written as JSON, not as raw strings)."""
     if isinstance(tag, list):
-        return [s for item in tag for s in _tag_schemas(item)]
+        return [s for item in tag for s in _tag_schemas(item, json_style_only)]
     if not isinstance(tag, dict):
         return []
-    own = [tag["json_schema"]] if tag.get("type") == "json_schema" and "json_schema" in tag else []
-    return own + [s for k, v in tag.items() if k != "json_schema" for s in _tag_schemas(v)]
+    own = [tag["json_schema"]] if tag.get("type") == "json_schema" and "json_schema" in tag \
+        and (not json_style_only or tag.get("style", "json") == "json") else []
+    return own + [s for k, v in tag.items() if k != "json_schema" for s in _tag_schemas(v, json_style_only)]
 
 
 def _xgr_message(e: Exception) -> str:

@@ -4,11 +4,14 @@ import dataclasses
 import json
 import re
 
+import jsonschema
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from common.engine import SamplingParams, StructuredOutputManager, StructuredOutputsParams
+from common.engine.structured_output import json_string_bounds_fixed
+from common.engine.utf8_masks import COMPLETE, Utf8State, advance
 from common.loader import write_tokenizer
 
 EOS, END_THINK = 1, 2
@@ -80,6 +83,9 @@ def test_sampling_params_refuse_unknown_structured_fields():
      r"'not' at #/properties/not/properties/x$"),  # a property named "not" is no keyword
     ({"json": {"type": "number", "multipleOf": 0.5}}, "'multipleOf' on a non-integer"),
     ({"json": {"type": "string", "format": "iri"}}, "string format 'iri'"),
+    ({"json": {"type": "string", "pattern": "^a+$", "maxLength": 3}}, "'maxLength' with 'pattern' at #$"),
+    ({"json": {"items": {"type": "string", "format": "email", "minLength": 5}}},
+     "'minLength' with 'format' at #/items$"),
     ({"regex": "(?<=a)b"}, "structured_outputs.regex: .*Lookbehind is not supported"),
     ({"regex": "[a"}, "structured_outputs.regex: .*Unclosed"),
     ({"grammar": 'start ::= "a"'}, 'structured_outputs.grammar: .*root rule with name "root" is not found'),
@@ -162,3 +168,81 @@ def test_one_bitmask_for_several_requests_rows(manager, tok):
     rows = [allowed(r) for r in logits]
     assert EOS not in rows[0] and EOS in rows[1] and rows[2] == set(range(V)) and rows[3] == set(encode(tok, "x"))
     assert rows[4] == set(range(V))
+
+
+def test_utf8_advance_accepts_exactly_the_prefixes_of_well_formed_utf8():
+    def well_formed_prefix(pair: bytes) -> bool:  # after the byte after a lead, any of 80..BF may follow
+        return _decodes(pair) or any(_decodes(pair + bytes([c]) + b"\x80" * n) for c in (0x80, 0x90, 0xA0)
+                                     for n in range(3))
+
+    pairs = [bytes([a, b]) for a in range(256) for b in range(256)]
+    got = {pair: advance(COMPLETE, pair) is not None for pair in pairs}
+    assert got == {pair: well_formed_prefix(pair) for pair in got}
+    assert advance(COMPLETE, "trueabሙ".encode()) == COMPLETE and advance(COMPLETE, b"\xed\xa0\x80") is None
+    assert advance(COMPLETE, b"\xf0\x9f") == Utf8State(2, 0x80, 0xBF) and advance(COMPLETE, b"\xed").hi == 0x9F
+
+
+def _decodes(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")  # strict: refuses surrogates, overlong forms and code points past U+10FFFF
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_a_surrogate_the_grammar_would_take_is_masked_and_refused(manager, tok):
+    byte = {bytes(b): t for t, b in enumerate(manager.tokenizer_info.decoded_vocab) if len(b) == 1}
+    state = manager.start(StructuredOutputsParams(json={"type": "string", "maxLength": 8}), [5])
+    for t in encode(tok, '"trueab') + [byte[b"\xed"]]:
+        assert manager.accept(state, t)
+    got = masks(manager, state, [])[0]
+    assert byte[b"\x80"] in got and byte[b"\x9f"] in got  # U+D000..D7FF
+    assert not {byte[bytes([b])] for b in range(0xA0, 0xC0)} & got  # ED A0..BF: a surrogate
+    assert not manager.accept(state, byte[b"\xa0"])  # xgrammar's matcher alone takes it
+
+
+def test_sampled_constrained_strings_are_well_formed_and_within_max_length(manager, tok):
+    """Random logits favouring the byte tokens of multi-byte characters (2,000 sampled characters; without the
+    UTF-8 masks about one in 250 is an encoded surrogate, which decodes to three U+FFFD)."""
+    schema = {"type": "string", "maxLength": 8}
+    high = torch.tensor([len(b) == 1 and b[0] >= 0x80 for b in manager.tokenizer_info.decoded_vocab])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(250):
+        state, out = manager.start(StructuredOutputsParams(json=schema), [5]), []
+        while not manager.is_terminated(state):
+            logits = torch.rand(1, V, generator=gen) * 4 + high * 3
+            manager.apply(logits, [(state, 0, [])])
+            out.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
+            assert manager.accept(state, out[-1])
+        data = b"".join(manager.tokenizer_info.decoded_vocab[t] for t in out[:-1])
+        assert _decodes(data) and tok.decode(out[:-1]) == data.decode()
+        jsonschema.validate(json.loads(data), schema)
+
+
+BOUNDED = {"type": "object", "properties": {"maxLength": {"type": "string", "minLength": 1, "maxLength": 2},
+                                            "e": {"enum": [{"maxLength": 3}]}}, "required": ["maxLength"]}
+
+
+@pytest.mark.parametrize("params, prefix", [
+    (StructuredOutputsParams(json=BOUNDED, disable_any_whitespace=True), '{"maxLength": "'),
+    (StructuredOutputsParams(json=json.dumps(BOUNDED)), '{ "maxLength": "'),
+    (StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": BOUNDED}, "end": "</f>"}}),
+     '<f>{"maxLength": "'),
+])
+def test_bounded_json_strings_take_no_raw_control_character(manager, tok, params, prefix):
+    controls = {t for t, b in enumerate(manager.tokenizer_info.decoded_vocab) if b and min(b) < 0x20}
+    state = manager.start(params, [5])
+    for t in encode(tok, prefix):
+        assert manager.accept(state, t)
+    got = masks(manager, state, [])[0]
+    assert controls and not controls & got and encode(tok, "a")[0] in got and encode(tok, '"')[0] not in got
+    for t in encode(tok, 'ab'):
+        assert manager.accept(state, t)
+    assert masks(manager, state, [])[0] == set(encode(tok, '"'))  # the bound holds
+
+
+def test_only_the_bounded_json_string_rule_is_rewritten():
+    xml_string = r"b_characters ::= (([\0-\U0010ffff]))"  # deepseek_xml's raw strings may hold controls
+    assert json_string_bounds_fixed(r'a_characters ::= (([^\"\\\r\n]))' + "\n" + xml_string) == \
+        r'a_characters ::= (([^\0-\x1f\"\\]))' + "\n" + xml_string

@@ -16,11 +16,10 @@ from tiny_deepseek_v4 import write_tiny_checkpoint
 from weights_deepseek_v4 import load_model
 from mtp_oracle import OracleProposer
 
-# (no maxLength: xgrammar 0.2.9's length-bounded strings admit raw control characters, which JSON forbids)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,4}$"},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99},
-                                           "ok": {"type": "boolean"}},
-          "required": ["name", "age", "ok"], "additionalProperties": False}
+                                           "ok": {"type": "boolean"}, "city": {"type": "string", "maxLength": 3}},
+          "required": ["name", "age", "ok", "city"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {  # byte-level DSML: ~150 tokens
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
     "required": ["city"], "additionalProperties": False}}}]
@@ -42,13 +41,14 @@ def setup(tmp_path_factory):
 
 
 def params(so: StructuredOutputsParams, **kw) -> SamplingParams:
-    return SamplingParams(**{"temperature": 0, "max_tokens": 40, "structured_outputs": so, **kw})
+    return SamplingParams(**{"temperature": 0, "max_tokens": 60, "structured_outputs": so, **kw})
 
 
 def check_schema(text: str):
     obj = json.loads(text)
-    assert set(obj) == {"name", "age", "ok"}
+    assert set(obj) == {"name", "age", "ok", "city"}
     assert isinstance(obj["name"], str) and re.fullmatch("[a-z]{1,4}", obj["name"])
+    assert isinstance(obj["city"], str) and len(obj["city"]) <= 3  # json.loads: no raw control character
     assert type(obj["age"]) is int and 0 <= obj["age"] <= 99 and type(obj["ok"]) is bool
 
 
