@@ -106,7 +106,7 @@ class ModelRunner:
         self.device = contract.device
         if self.device.type == "cpu":
             backend.keep_freed_host_memory()
-            cpu_gemm.pack_model(model)  # bf16 weights into oneDNN's layout, once, dense copies dropped (fp32: no-op)
+            cpu_gemm.pack_model(model)  # bf16 / fp32 weights into oneDNN's layout, once, dense copies dropped
         self.specs = model.cache_specs(config.block_size)
         check_cache_specs(self.specs, model.cache_tensor_specs())
         self.state_groups = tuple(s.name for s in self.specs if s.is_state)  # their tables: read, write slots

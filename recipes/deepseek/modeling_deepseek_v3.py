@@ -587,7 +587,7 @@ class MTPLayer(DecoderLayer):
         embeds [T, D] (token t+1's) -> this layer's output [T, 1, D], before shared_head.norm. The embedding at
         position 0 is zeroed (nothing precedes it to predict from), as upstream does."""
         embeds = torch.where(batch.positions.unsqueeze(-1) == 0, 0, embeds)
-        dt = self.eh_proj.weight.dtype
+        dt = embeds.dtype  # the model's (eh_proj may be packed: no weight to read)
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(streams[:, 0]).to(dt)], dim=-1))  # [T, D]
         x = super().forward(x.to(residual_dtype(dt)), self.rope.tables(batch.positions), batch)  # [T, D]
         return x.to(dt).unsqueeze(1)  # [T, 1, D]

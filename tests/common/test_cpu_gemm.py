@@ -1,8 +1,11 @@
-"""oneDNN-packed bf16 weights on the CPU path: the same outputs as the plain weights, held once, inference only.
+"""oneDNN-packed bf16 and fp32 weights on the CPU path: the same outputs as the plain weights (fp32: within
+rounding), held once, inference only.
 
-Tests that need packing skip where oneDNN has no bf16 GEMMs on this CPU (AVX2-only x86). The fallback is tested
-on every CPU: in a subprocess that caps oneDNN and ATen at AVX2, which makes torch answer and fail as on such a CPU.
+Tests that need bf16 packing skip where oneDNN has no bf16 GEMMs on this CPU (AVX2-only x86); fp32 packing, where
+torch has no oneDNN or the CPU is no x86. The bf16 fallback is tested on every CPU: in a subprocess that caps
+oneDNN and ATen at AVX2, which makes torch answer and fail as on such a CPU (and packs fp32 there).
 """
+import copy
 import gc
 import os
 import subprocess
@@ -56,6 +59,7 @@ def fallback_run():
     model, plain = bf16_model(), bf16_model()
     assert cpu_gemm.pack_model(model) == 0
     assert type(model.proj) is nn.Linear and isinstance(model.experts, nn.Parameter)
+    assert cpu_gemm.pack_model(Tiny()) == 3 * cpu_gemm.supported(torch.float32)  # AVX2's fp32 GEMMs: packed
     x, counts = torch.randn(5, 64, dtype=torch.bfloat16), torch.tensor([2, 0, 3])
     assert torch.equal(model(x), plain(x))
     assert torch.equal(ref.grouped_matmul(x, model.experts, counts), ref.grouped_matmul(x, plain.experts, counts))
@@ -165,10 +169,38 @@ def test_tied_weights_stay_dense():
     assert cpu_gemm.pack_model(nn.ModuleList([embed, head])) == 0 and type(head) is nn.Linear
 
 
-def test_fp32_models_are_left_alone():
+needs_fp32_packing = pytest.mark.skipif(not cpu_gemm.supported(torch.float32),
+                                        reason="fp32 packing needs torch's oneDNN on an x86 CPU")
+
+
+@needs_fp32_packing
+def test_fp32_models_are_packed_and_give_the_plain_outputs_within_rounding():
+    torch.manual_seed(0)
+    model, plain = Tiny(), Tiny()
+    plain.load_state_dict(model.state_dict())
+    assert cpu_gemm.pack_model(model) == 3
+    assert isinstance(model.proj, cpu_gemm.PackedLinear) and isinstance(model.experts, cpu_gemm.PackedExperts)
+    x, counts = torch.randn(16, 64), torch.tensor([5, 0, 11])
+    torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref.grouped_matmul(x, model.experts, counts),
+                               ref.grouped_matmul(x, plain.experts, counts), rtol=1e-5, atol=1e-5)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())  # packing is exact
+    with pytest.raises(TypeError, match="fp32 weights take fp32 inputs, got bf16"):
+        model(x.bfloat16())
+
+
+@needs_fp32_packing
+def test_a_packed_model_deep_copies_with_weights_of_its_own():
+    torch.manual_seed(0)
     model = Tiny()
-    assert cpu_gemm.pack_model(model) == 0
-    assert type(model.proj) is nn.Linear and isinstance(model.experts, nn.Parameter)
+    cpu_gemm.pack_model(model)
+    twin = copy.deepcopy(model)
+    assert twin.proj._packed is not model.proj._packed and twin.experts is not model.experts
+    assert twin.out[0].bias is not model.out[0].bias
+    x = torch.randn(4, 64)
+    assert torch.equal(twin(x), model(x))
+    assert all(torch.equal(a, b) for a, b in zip(twin.state_dict().values(), model.state_dict().values()))
 
 
 @pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_packing), False])

@@ -88,7 +88,7 @@ def main():
     args = ModelArgs.from_config({**BENCH_CONFIG})
     tok = AutoTokenizer.from_pretrained(BENCH)
     model = load_model(BENCH, dtype)
-    # counted before the engine packs the CPU bf16 weights (common.cpu_gemm), which are no parameters after that
+    # counted before the engine packs the CPU weights (common.cpu_gemm), which are no parameters after that
     n_params = sum(p.numel() for p in model.parameters())
     per_token = weight_bytes_per_step(model)  # batch 1: the active weights of a token
     llm = LLM(model, tok, **ENGINE)

@@ -39,14 +39,17 @@ def setup(tmp_path_factory):
     return eager, graph, prompts, path
 
 
+LOGPROB_ATOL = 5e-4  # fp32: the padded graph batch has more rows, for which oneDNN's packed GEMM sums otherwise
+
+
 def assert_same(eager_outs, graph_outs):
     for e, g in zip(eager_outs, graph_outs):
         assert g.token_ids == e.token_ids
         assert g.finish_reason == e.finish_reason
         for le, lg in zip(e.logprobs, g.logprobs, strict=True):
-            assert lg.token_id == le.token_id and abs(lg.logprob - le.logprob) < 1e-4
+            assert lg.token_id == le.token_id and abs(lg.logprob - le.logprob) < LOGPROB_ATOL
             for (te, ve), (tg, vg) in zip(le.top, lg.top, strict=True):
-                assert tg == te and abs(vg - ve) < 1e-4
+                assert tg == te and abs(vg - ve) < LOGPROB_ATOL
 
 
 def test_graph_decode_equals_eager_with_chunked_prefill_and_preemption(setup):

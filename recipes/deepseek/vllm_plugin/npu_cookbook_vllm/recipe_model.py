@@ -231,8 +231,8 @@ class RecipeForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Read the checkpoint folder through the recipe's loader (publisher or transformers names, FP8 / MXFP4
         dequantized); vLLM's own iterator is left unread. Returns the names of every parameter filled. Then, on CPU,
-        the bf16 weights are packed into oneDNN's layout as the recipe's engine packs them (common/cpu_gemm.py; vLLM
-        packs only its own linear layers)."""
+        the bf16 / fp32 weights are packed into oneDNN's layout as the recipe's engine packs them
+        (common/cpu_gemm.py; vLLM packs only its own linear layers)."""
         self.load_into()
         filled = {f"model.{n}" for n, _ in self.model.named_parameters()}
         if self.contract.device.type == "cpu":
