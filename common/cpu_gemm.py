@@ -3,7 +3,7 @@
 oneDNN reads a weight it reordered once into its own blocked layout faster than a plain row-major [N, K] tensor:
 in bf16 1.3-1.6x for decode-sized inputs (M = 1..16) on the 2-core AVX512-BF16 VM of the README, with bit-identical
 results (the same kernel, minus its per-call reorder); in fp32 2-3x (the plain fp32 GEMM is MKL's, which on AMD
-CPUs takes a slow path: 1024 x 4096 at M = 16, 1.9 -> 0.8 ms on Zen 4 as AVX2; the sums in another order, so
+CPUs takes a slow path: a [4096, 1024] weight at M = 16, 1.9 -> 0.8 ms on Zen 4 as AVX2; the sums in another order, so
 within fp32 rounding of the plain outputs, not equal to them). `pack_model(model)` is the last step
 before inference: the ModelRunner calls it once, after loading. It converts in place
 - every bf16 / fp32 `nn.Linear` into a `PackedLinear` that holds its weight packed only (its bias stays a Parameter);

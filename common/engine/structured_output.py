@@ -33,6 +33,7 @@ Log-probs of a constrained row are those of its masked logits (vLLM's too).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -99,14 +100,11 @@ class StructuredOutputManager:
             if unsupported:
                 raise ValueError(f"structured_outputs.{kind}: unsupported JSON schema feature(s): "
                                  f"{'; '.join(unsupported)}")
-            bounded = _has_string_bounds(loaded if kind == "json" else _tag_schemas(loaded, json_style_only=True))
+            bounded = _has_string_bounds([loaded] if kind == "json" else _tag_schemas(loaded, json_style_only=True))
             value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         try:
-            if kind in ("json", "structural_tag") and bounded:  # through xgrammar's EBNF, its string rule fixed
-                grammar = (xgr.Grammar.from_json_schema(value, any_whitespace=not params.disable_any_whitespace,
-                                                        max_whitespace_cnt=JSON_MAX_WHITESPACE)
-                           if kind == "json" else xgr.Grammar.from_structural_tag(value))
-                return self.compiler.compile_grammar(json_string_bounds_fixed(str(grammar)))
+            if bounded:  # through xgrammar's EBNF, its string rule fixed
+                return self.compiler.compile_grammar(_bounds_fixed_ebnf(kind, value, not params.disable_any_whitespace))
             if kind in ("json", "json_object"):
                 return self.compiler.compile_json_schema(value if kind == "json" else '{"type": "object"}',
                                                          any_whitespace=not params.disable_any_whitespace,
@@ -203,10 +201,30 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def unsupported_json_schema_features(schema, path: str = "#") -> list[str]:
-    """The keywords of a JSON schema that xgrammar would accept but not enforce, each with where it is."""
+def schemas_in(schema, path: str = "#"):
+    """Every (sub)schema of a JSON schema, with where it is: (path, dict), the schema itself first."""
     if not isinstance(schema, dict):
-        return []
+        return
+    yield path, schema
+    for key, value in schema.items():
+        if key in NOT_SCHEMAS:  # values, not schemas
+            continue
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                yield from schemas_in(sub, f"{path}/{key}/{name}")
+        elif isinstance(value, dict):
+            yield from schemas_in(value, f"{path}/{key}")
+        elif isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield from schemas_in(sub, f"{path}/{key}/{i}")
+
+
+def unsupported_json_schema_features(schema) -> list[str]:
+    """The keywords of a JSON schema that xgrammar would accept but not enforce, each with where it is."""
+    return [problem for path, s in schemas_in(schema) for problem in _unsupported_here(s, path)]
+
+
+def _unsupported_here(schema: dict, path: str) -> list[str]:
     out = []
     types = schema.get("type")
     types = types if isinstance(types, list) else [types]
@@ -223,17 +241,6 @@ def unsupported_json_schema_features(schema, path: str = "#") -> list[str]:
         out.append(f"'allOf' with several schemas at {path}")
     out += [f"'{bound}' with '{other}' at {path}" for bound in ("minLength", "maxLength") if bound in schema
             for other in ("pattern", "format") if other in schema]
-    for key, value in schema.items():
-        if key in NOT_SCHEMAS:
-            continue
-        if key in SCHEMA_MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                out += unsupported_json_schema_features(sub, f"{path}/{key}/{name}")
-        elif isinstance(value, dict):
-            out += unsupported_json_schema_features(value, f"{path}/{key}")
-        elif isinstance(value, list):
-            for i, sub in enumerate(value):
-                out += unsupported_json_schema_features(sub, f"{path}/{key}/{i}")
     return out
 
 
@@ -243,14 +250,17 @@ def json_string_bounds_fixed(ebnf: str) -> str:
     return _BOUNDED_CHARACTERS.sub(lambda m: f"{m.group(1)} ::= {_JSON_RAW_CHARACTER}", ebnf)
 
 
-def _has_string_bounds(schema) -> bool:
-    if isinstance(schema, list):
-        return any(_has_string_bounds(s) for s in schema)
-    if not isinstance(schema, dict):
-        return False
-    return "minLength" in schema or "maxLength" in schema or any(
-        _has_string_bounds(list(value.values()) if key in SCHEMA_MAPS and isinstance(value, dict) else value)
-        for key, value in schema.items() if key not in NOT_SCHEMAS)
+def _has_string_bounds(schemas: list) -> bool:
+    return any("minLength" in sub or "maxLength" in sub for schema in schemas for _, sub in schemas_in(schema))
+
+
+@functools.lru_cache(maxsize=256)
+def _bounds_fixed_ebnf(kind: str, value: str, any_whitespace: bool) -> str:
+    """A json / structural_tag grammar with bounded JSON strings as fixed EBNF (converted once per grammar)."""
+    grammar = (xgr.Grammar.from_json_schema(value, any_whitespace=any_whitespace,
+                                            max_whitespace_cnt=JSON_MAX_WHITESPACE)
+               if kind == "json" else xgr.Grammar.from_structural_tag(value))
+    return json_string_bounds_fixed(str(grammar))
 
 
 def _tag_schemas(tag, json_style_only: bool = False) -> list:
