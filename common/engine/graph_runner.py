@@ -1,22 +1,26 @@
-"""Graph-mode decode (exe_mode "graph"): a decode step padded to a batch bucket and run as one compiled graph.
+"""Graph-mode decode (exe_mode "graph"): a decode step run as one compiled graph, the graph of its batch bucket.
 
 Upstream runs decode as a captured graph (`exe_mode: npugraph_ex`) with prefill eager; vLLM-Ascend likewise (ACL
 graph, FULL_DECODE_ONLY). Here a step whose every scheduled sequence computes `query_len` tokens (decodes: one;
 with MTP, the token and its k drafts verified: 1 + k; a prompt chunk of that length is the same computation)
 and none scores prompt positions is padded to the smallest capture size that holds it: ForwardBatch.build with
 `pad_to` the bucket, block tables `max_model_len / block_size` wide and `max_seqlen_k = max_model_len`, so every
-shape of the step is the bucket's alone (the model reads no tensor on the host: see ForwardBatch). Every other
+shape of the step is the bucket's alone (the model reads no tensor on the host: see ForwardBatch); on one CPU rank,
+where the buckets share one graph over the batch size, the step keeps its own batch size (below). Every other
 step (prefill, mixed prefill + decode, an MTP step whose drafts were cut short) runs eager.
 
 CPU: each bucket is `torch.compile(fullgraph=True, dynamic=False)` (inductor), compiled at start-up, one bucket
 after the other under a progress bar, by a step over padding alone (padding writes only to the null block). On one
 rank with one token a sequence (`shape_generic`), the buckets share one graph, as vLLM compiles one graph over a
 symbolic token count: the largest bucket is traced with its batch dimension marked dynamic (`mark_batch_dynamic`)
-and size-oblivious (`size_oblivious`: nothing assumed of a batch of 0 or 1), the others reuse it. Bucket 1 reuses it
-too where the traced graph guards nothing on the batch size being above 1 (DeepSeek-V4: V4's 7 bench buckets
-compiled in 72 s cold instead of 115 s with a static graph for bucket 1, its batch-1 step as fast or faster, Zen 4,
-2026-12-06); where it does (V3: inductor's CPU lowering of a bmm whose operand has a batch-sized dimension and a
-layout still its to choose guards on that size being 1), dynamo compiles bucket 1 a static graph of its own.
+and size-oblivious (`size_oblivious`: nothing assumed of a batch of 0 or 1), the others reuse it, and a step runs it
+at its own batch size, unpadded (`build`; 12 sequences padded to 16 decoded at 0.81-0.93x the unpadded rate on a
+2-core Xeon without AMX, bf16, the V3 and V4 bench checkpoints, 2026-12-07: its GEMMs are compute-bound from 8
+rows). Bucket 1 reuses it too where the traced graph guards nothing on the batch size being above 1 (DeepSeek-V4:
+V4's 7 bench buckets compiled in 72 s cold instead of 115 s with a static graph for bucket 1, its batch-1 step
+as fast or faster, Zen 4, 2026-12-06); where it does (V3: inductor's CPU lowering of a bmm whose operand has a
+batch-sized dimension and a layout still its to choose guards on that size being 1), dynamo compiles bucket 1 a
+static graph of its own.
 With MTP (inductor failed to generate a region over T = (1 + k) B) and over several ranks (the collectives size
 their buffers on the host) every bucket has its own graph. Within
 a graph, the parts a model marks `compile_region` (V4's attention, MoE: common/engine/compile_region.py)
@@ -186,10 +190,16 @@ class GraphRunner:
 
     def build(self, new_tokens: list[list[int]], num_computed: list[int],
               block_tables: list[dict[str, list[int]]], bucket: int | None = None) -> ForwardBatch:
-        """The step's sequences (query_len tokens each) padded to `bucket` (default: the smallest that holds them)."""
+        """The step's sequences (query_len tokens each) padded to `bucket` (default: the smallest that holds them);
+        where the buckets share one shape-generic graph, not padded: that graph runs any batch size from 2, and
+        padding rows would only add GEMM rows and expert routes (as vLLM's CPU backend runs its dynamic-shape
+        graph). One sequence is still padded to its bucket: only bucket 1's graph takes a batch of 1 (the generic
+        graph may guard on a batch above 1, V3's does)."""
+        bucket = bucket or self.bucket(len(new_tokens))
+        pad_to = len(new_tokens) if self.shape_generic and len(new_tokens) > 1 else bucket
         return ForwardBatch.build(new_tokens, num_computed, block_tables, self.block_size, self.device,
-                                  pad_to=bucket or self.bucket(len(new_tokens)), table_width=self.table_width,
-                                  max_seqlen_k=self.max_seqlen_k, state_groups=self.state_groups)
+                                  pad_to=pad_to, table_width=self.table_width, max_seqlen_k=self.max_seqlen_k,
+                                  state_groups=self.state_groups)
 
     @property
     def one_rank(self) -> bool:
@@ -301,12 +311,13 @@ class GraphRunner:
         self._pool = graph.pool()
         self._graphs[n] = graph
 
-    def run(self, batch: ForwardBatch):
-        """(logits [bucket * query_len, V], streams [bucket * query_len, n, D] or None) of a batch from `build`.
-        On CUDA the graph's own output buffers, which the next replay overwrites: read them before the next step."""
-        n = batch.num_seqs
+    def run(self, batch: ForwardBatch, bucket: int | None = None):
+        """(logits [B * query_len, V], streams [B * query_len, n, D] or None) of a batch from `build` of the
+        bucket's B sequences (shape-generic: the step's own B). On CUDA the graph's own output buffers, which the
+        next replay overwrites: read them before the next step."""
+        n = bucket or batch.num_seqs
         self.replays[n] += 1
-        inputs = self._inputs[n].copy_(batch)
+        inputs = batch if self.shape_generic else self._inputs[n].copy_(batch)  # shape-generic: the step's own
         if n in self._graphs:
             self._graphs[n].replay()
             return self._outputs[n]

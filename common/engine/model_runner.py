@@ -233,7 +233,7 @@ class ModelRunner:
                        block_tables: list[dict[str, list[int]]], bucket: int) -> ModelRunnerOutput:
         """A step of query_len-token sequences through its bucket's graph: the same output as `execute`'s."""
         batch = self.graphs.build(new_tokens, [s.start for s in scheduled], block_tables, bucket)
-        logits, streams = self.graphs.run(batch)  # [bucket * Q, V], [bucket * Q, n, D] or None
+        logits, streams = self.graphs.run(batch, bucket)  # [B * Q, V], [B * Q, n, D] or None (B >= n)
         Q, n = self.graphs.query_len, len(scheduled)
         rows = [r for b, s in enumerate(scheduled) if s.sample
                 for r in range((b + 1) * Q - 1 - len(s.draft_token_ids), (b + 1) * Q)]  # last row, drafts' before
