@@ -63,7 +63,9 @@ def test_graph_decode_equals_eager_with_chunked_prefill_and_preemption(setup):
     assert runs[1] > 0 and runs[2] > 0 and runs[4] > 0  # every bucket ran decode steps
     assert graph.engine.runner.graphs.num_graphs == 1  # one over the batch size, buckets 1, 2 and 4
     graphs = graph.engine.runner.graphs  # which a step runs at its own size: 3 sequences in bucket 4, unpadded
-    assert graphs.shape_generic and graphs.build([[5]] * 3, [0] * 3, [dict.fromkeys(graphs.groups, [])] * 3, 4).num_seqs == 3
+    tables = [dict.fromkeys(graphs.groups, [])] * 3
+    assert graphs.shape_generic and graphs.build([[5]] * 3, [0] * 3, tables, 4).num_seqs == 3
+    assert graphs.build([[5]], [0], tables[:1], 2).num_seqs == 2  # one sequence: only bucket 1 takes a batch of 1
     assert graph.engine.scheduler.num_preemptions > 0 and eager.engine.scheduler.num_preemptions > 0
     assert max(graph.engine.stats.recent_step_tokens) <= 8  # prompts went in chunks beside the decodes
     assert graph.engine.kv_cache.all_blocks_free() and eager.engine.kv_cache.all_blocks_free()
