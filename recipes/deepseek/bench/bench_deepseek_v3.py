@@ -141,8 +141,10 @@ def start_vllm(python: Path, dtype: torch.dtype, threads: int, eager: bool, voca
     print(f"starting vLLM (its log: {log})", flush=True)
     try:
         side = VllmSide(python, dtype, threads, eager, vocab, log)
-    except RuntimeError:  # it exited before answering: the cause is in its log
+    except RuntimeError as e:  # it exited before answering: the cause is in its log
         cause = root_cause(log.read_text())
+        if not cause:  # a silent exit
+            return None, f"vLLM did not start: {e}"
     else:
         if side.error is None:
             return side, None
