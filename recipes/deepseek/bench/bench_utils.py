@@ -152,8 +152,9 @@ class VllmProcess:
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path):
         self.log = log
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),
-                                     text=True, env=env)
+        with open(log, "w") as err:  # the driver holds its own copy of the file
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         env=env)
         self.ready = self._answer()  # what the driver says once started (its start-up seconds, or its error)
 
     def _answer(self) -> dict:
