@@ -13,7 +13,8 @@ runs neither. Prints the CPU, a progress bar per model, a table per model and th
 
 --kt adds kt-kernel's bf16 MoE kernel (AMXBF16_MOE, else AVX2BF16_MOE) on the same weights (kt copies them into its
 own buffers), timed after the others, on one worker thread: its pool counts the thread that runs its task queue as
-a worker and the caller spins in sync(), so on two cores a second worker makes three busy threads.
+a worker and the caller spins in sync(), so on two cores a second worker makes three busy threads. Its output is
+checked against fused_experts' (relative L2 difference, layer 0): bf16 rounding gives ~5e-3, a wrong result ~1.
 """
 from __future__ import annotations
 
@@ -58,38 +59,42 @@ def best_ms(fn, layers, repeats: int) -> float:
     return best * 1e3
 
 
-def kt_bf16_layers(raw: list, k: int):
-    """kt-kernel's bf16 MoE objects for the layers' [E, 2I, D] / [E, D, I] weights, and a call fn(i, x, weights,
-    ids) -> [T, D]; one worker thread (see the module docstring)."""
-    from common.offload.kt_backend import cpu_infer, load_kt_kernel
-    ext = load_kt_kernel()[0]
-    cls = getattr(ext.moe, "AMXBF16_MOE", None) or ext.moe.AVX2BF16_MOE
-    cpu, none_resident = cpu_infer(1), torch.zeros(raw[0][0].shape[0], dtype=torch.bool)
-    kernels = []
-    for i, (w13, w2) in enumerate(raw):
-        E, two_i, D = w13.shape
-        cfg = ext.moe.MOEConfig(E, k, D, two_i // 2, none_resident.data_ptr())
-        cfg.layer_idx, cfg.pool, cfg.max_len = i, cpu.backend_, 64
-        parts = [w13[:, :two_i // 2].contiguous(), w13[:, two_i // 2:].contiguous(), w2.contiguous()]
-        cfg.gate_projs, cfg.up_projs, cfg.down_projs = ([[p[e].data_ptr() for e in range(E)]] for p in parts)
-        cfg.gate_scales = cfg.up_scales = cfg.down_scales = [[0] * E]  # bf16: no scales
-        kernels.append(cls(cfg))
-        physical_to_logical = torch.arange(E)  # [E] int64, alive until the sync
-        cpu.submit(kernels[-1].load_weights_task(physical_to_logical.data_ptr()))
-        cpu.sync()  # the kernel holds its own copy of the weights from here
+class KtBf16Layers:
+    """kt-kernel's bf16 MoE objects for the layers' [E, 2I, D] / [E, D, I] weights, on one worker thread (see the
+    module docstring); `(i, x, weights, ids)` runs layer i -> [T, D]. Holds what the kernels read at every call:
+    their residency mask (all False: every expert on the host), read through the pointer their config took."""
 
-    def call(i, x, weights, ids):
+    def __init__(self, raw: list, k: int):
+        from common.offload.kt_backend import cpu_infer, load_kt_kernel
+        ext = load_kt_kernel()[0]
+        cls = getattr(ext.moe, "AMXBF16_MOE", None) or ext.moe.AVX2BF16_MOE
+        self.cpu, self.k = cpu_infer(1), k
+        self.resident = torch.zeros(raw[0][0].shape[0], dtype=torch.bool)  # [E], alive as long as the kernels
+        self.kernels = []
+        for i, (w13, w2) in enumerate(raw):
+            E, two_i, D = w13.shape
+            cfg = ext.moe.MOEConfig(E, k, D, two_i // 2, self.resident.data_ptr())
+            cfg.layer_idx, cfg.pool, cfg.max_len = i, self.cpu.backend_, 64
+            parts = [w13[:, :two_i // 2].contiguous(), w13[:, two_i // 2:].contiguous(), w2.contiguous()]
+            cfg.gate_projs, cfg.up_projs, cfg.down_projs = ([[p[e].data_ptr() for e in range(E)]] for p in parts)
+            cfg.gate_scales = cfg.up_scales = cfg.down_scales = [[0] * E]  # bf16: no scales
+            self.kernels.append(cls(cfg))
+            physical_to_logical = torch.arange(E)  # [E] int64, alive until the sync
+            self.cpu.submit(self.kernels[-1].load_weights_task(physical_to_logical.data_ptr()))
+            self.cpu.sync()  # the kernel holds its own copy of the weights from here
+
+    def __call__(self, i: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         ids, weights, out = ids.long().contiguous(), weights.float().contiguous(), torch.empty_like(x)
         n = torch.tensor([x.shape[0]], dtype=torch.int32)
-        cpu.submit(kernels[i].forward_task(n.data_ptr(), k, ids.data_ptr(), weights.data_ptr(), x.data_ptr(),
-                                           out.data_ptr(), False))
-        cpu.sync()
+        self.cpu.submit(self.kernels[i].forward_task(n.data_ptr(), self.k, ids.data_ptr(), weights.data_ptr(),
+                                                     x.data_ptr(), out.data_ptr(), False))
+        self.cpu.sync()
         return out
-    return call
 
 
 def layer_rows(name: str, batches: list[int], repeats: int, bandwidth: float, kt: bool) -> list[tuple]:
-    """(T, reference ms, fused_experts ms, bound ms, kt ms or None) per batch size, per layer."""
+    """(T, reference ms, fused_experts ms, bound ms, kt ms or None, kt's relative L2 difference from fused_experts on
+    layer 0 or None) per batch size, per layer."""
     L, E, k, D, I = expert_shapes(name)
     g = torch.Generator().manual_seed(0)
     raw = [((torch.randn(E, 2 * I, D, generator=g) * 0.02).bfloat16(),
@@ -105,11 +110,13 @@ def layer_rows(name: str, batches: list[int], repeats: int, bandwidth: float, kt
         ref, fused = (best_ms(lambda w: fn(x, *w, weights, ids), layers, repeats)  # noqa: B023
                       for fn in (reference_ops, cpu_moe.fused_experts))
         touched = len(set(ids.flatten().tolist()))
-        rows.append([x.shape[0], ref, fused, touched * expert_bytes / bandwidth * 1e3, None])
+        rows.append([x.shape[0], ref, fused, touched * expert_bytes / bandwidth * 1e3, None, None])
     if kt:
-        call = kt_bf16_layers(raw, k)
+        call = KtBf16Layers(raw, k)
         for row, (x, weights, ids) in zip(rows, inputs):
             row[4] = best_ms(lambda i: call(i, x, weights, ids), range(L), repeats)  # noqa: B023
+            want = cpu_moe.fused_experts(x, *layers[0], weights, ids).float()  # [T, D]
+            row[5] = ((call(0, x, weights, ids).float() - want).norm() / want.norm()).item()
     return [tuple(row) for row in rows]
 
 
@@ -141,10 +148,10 @@ def main():
         print(f"\n{name}: one MoE layer's routed experts ({E} of [{2 * I}, {D}] and [{D}, {I}], top-{k}), ms a "
               "layer; bound: the experts routed to, read at the measured bandwidth")
         print(f"{'T':>4}{'reference ops':>15}{'fused_experts':>15}{'ratio':>8}{'bound':>8}{'fused / bound':>15}"
-              + (f"{'kt bf16 (1 worker)':>20}{'fused / kt':>12}" if a.kt else ""))
-        for T, ref, fused, bound, kt in rows:
+              + (f"{'kt bf16 (1 worker)':>20}{'fused / kt':>12}{'kt vs fused':>13}" if a.kt else ""))
+        for T, ref, fused, bound, kt, diff in rows:
             print(f"{T:>4}{ref:>15.2f}{fused:>15.2f}{ref / fused:>7.2f}x{bound:>8.2f}{fused / bound:>14.2f}x"
-                  + (f"{kt:>20.2f}{fused / kt:>11.2f}x" if a.kt else ""))
+                  + (f"{kt:>20.2f}{fused / kt:>11.2f}x{diff:>13.1e}" if a.kt else ""))
     print(f"wall time {time.perf_counter() - start:.0f} s")
 
 
