@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench_moe import KtBf16Layers
 from common.offload import kt_kernel_unavailable
 
 pytestmark = pytest.mark.skipif(kt_kernel_unavailable() is not None, reason=str(kt_kernel_unavailable()))
@@ -22,7 +23,6 @@ def experts_reference(x, w13, w2, weights, ids):
 
 
 def test_kt_layers_compute_every_routed_expert_after_other_allocations():
-    from bench_moe import KtBf16Layers
     E, k, D, I, T = 16, 2, 1024, 384, 3
     g = torch.Generator().manual_seed(0)
     w13 = (torch.randn(E, 2 * I, D, generator=g) * 0.02).bfloat16()  # [E, gate | up, D]
