@@ -19,8 +19,8 @@ cache, max_model_len 1024: the longest request; its CPU MLA forces block size 16
 caching off), its OpenMP threads = --threads, unbound, and (--vllm-executor uni, the default) its engine core in the
 driver's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): with vLLM's default, an engine-core process beside the
 driver's (mp), the driver's per-step work takes CPU time from the engine's OpenMP threads, and on 2 cores vLLM ran
-the mixed workload 1.25-1.35x slower (2-core Xeon, 2026-12-07, fp32 as AVX2 and bf16; its full default, a core kept
-for the driver and one thread, 1.7x slower); skipped with the reason when that environment is missing,
+the mixed workload 1.3-1.4x slower (2-core Xeon, 2026-12-07, fp32 as AVX2 and bf16; its full default, a core kept
+for the driver and one thread, 1.7-1.9x slower); skipped with the reason when that environment is missing,
 and vLLM's own error printed when it refuses the model. Also printed: each peer's greedy tokens against the eager
 engine's (the batch-16 decode, first 32 tokens), the KV cache's bytes per token (the latent against expanded per-head
 K / V, this checkpoint and the published V3), and the hardware bound: the weight bytes a step reads over the read
@@ -40,7 +40,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
 from bench_utils import ENGINE, ROOT, VLLM_MARK, WEIGHTS, VllmProcess, decode_step_profile, gemm_seconds, hf_generate, \
-    ours_generate, prompts, read_bandwidth, weight_bytes_per_step
+    ours_generate, prompts, read_bandwidth, vllm_env, weight_bytes_per_step
 from common import backend
 from common.engine import LLM
 from config_deepseek_v3 import ModelArgs, cache_bytes_per_token
@@ -122,12 +122,8 @@ class VllmSide:
         spec = {"checkpoint": str(BENCH), "dtype": VLLM_DTYPES[dtype],
                 "engine": {**VLLM_ENGINE, "enforce_eager": eager, **one_process},
                 "warmup": [prompts(2, 16, vocab, 99), 4], "mark": VLLM_MARK}
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               "VLLM_USE_USAGE_LIB": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": ""}
-        if executor == "uni":  # the engine core in the driver's process too: one process in all
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        for name in ("VIRTUAL_ENV", "PYTHONPATH"):  # vLLM's environment imports its own packages only
-            env.pop(name, None)
+        env = vllm_env(threads, executor, plugins="")
+        env.pop("PYTHONPATH", None)  # vLLM's environment imports its own packages only
         self.driver = VllmProcess([str(python), str(VLLM_DRIVER), json.dumps(spec)], env, log)
         self.error, self.startup_s = self.driver.ready.get("error"), self.driver.ready.get("startup_s")
 

@@ -5,6 +5,7 @@ The bench scripts and the recipe's modules are imported from the recipe folder a
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -142,6 +143,20 @@ def ensure_bench() -> Path:
 
 
 VLLM_MARK = "BENCH_VLLM "  # a vLLM driver's answers on its stdout (vLLM logs there too)
+
+
+def vllm_env(threads: int, executor: str, plugins: str) -> dict[str, str]:
+    """The environment of a vLLM subprocess: this one's, less its virtual environment and VLLM_CPU_KVCACHE_SPACE (which
+    would override kv_cache_memory_bytes), with vLLM's OpenMP threads = `threads`, unbound, the plugins named (""
+    none), no usage reporting, no hub downloads; executor "uni": the engine core in the driver's process too
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0), vLLM's fastest on a few cores; "mp": its default, a process of its own."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_PLUGINS=plugins,
+               VLLM_USE_USAGE_LIB="0", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+    if executor == "uni":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    for name in ("VIRTUAL_ENV", "VLLM_CPU_KVCACHE_SPACE"):
+        env.pop(name, None)
+    return env
 
 
 class VllmProcess:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
 from bench_utils import (BENCH, BENCH_CONFIG, ENGINE, ROOT, VLLM_MARK, VllmProcess, best_of, ensure_bench,
-                         decode_tok_s, hf_generate, ours_generate)
+                         decode_tok_s, hf_generate, ours_generate, vllm_env)
 from common import backend, cpu_malloc
 from common.engine import LLM
 from tiny_deepseek_v4 import publisher_config
@@ -71,12 +71,7 @@ class VllmSide:
     """vllm.LLM in the vLLM environment, generating what `__call__` sends it; its log in `log`."""
 
     def __init__(self, python: Path, path: Path, dtype: torch.dtype, threads: int, log: Path, executor: str):
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads),
-                   VLLM_PLUGINS="npu_cookbook_deepseek", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
-        if executor == "uni":  # the engine core in the driver's process too: one process in all
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        for name in ("VIRTUAL_ENV", "VLLM_CPU_KVCACHE_SPACE"):  # the latter would override kv_cache_memory_bytes
-            env.pop(name, None)
+        env = vllm_env(threads, executor, plugins="npu_cookbook_deepseek")
         self.driver = VllmProcess([str(python), "-c", DRIVER, str(path), str(dtype).removeprefix("torch."), ARCH,
                                    executor], env, log)
         self.startup_s = self.driver.ready["startup_s"]
