@@ -174,9 +174,9 @@ def test_paged_attention_k_equals_v():
 
 @pytest.mark.parametrize("kw", [dict(), dict(sliding_window=3), dict(sliding_window=9), dict(sinks=torch.randn(4))])
 @pytest.mark.parametrize("shared_kv", [False, True])
-def test_paged_attention_decode_batch_equals_attention(kw, shared_kv):
+@pytest.mark.parametrize("kv_lens", [[7, 1, 5, 12], [6, 6, 6]])  # ragged (and a short row alone); equal: no mask
+def test_paged_attention_decode_batch_equals_attention(kw, shared_kv, kv_lens):
     """One new token per sequence takes the gathered-pages decode path; it must match dense attention."""
-    kv_lens = [7, 1, 5, 12]
     k, v, k_cache, v_cache, table = paged_setup(kv_lens, dv=8 if shared_kv else 6)
     v, v_cache = (k, None) if shared_kv else (v, v_cache)
     q = torch.randn(len(kv_lens), 4, 8)
@@ -221,9 +221,9 @@ def test_bf16_decode_batch_through_the_fused_kernel_equals_fp32_attention():
 
 def test_compiled_decode_reads_the_keys_held_not_the_padded_width():
     """In a compiled CPU graph (graph mode) the decode rows run as one opaque op that reads the kv lengths on the
-    host: max_seqlen_k 64 (the graph's bound) gathers only the keys the sequences hold, with the eager result: the
-    two of 7 and 12 keys at 12, the one of 3 (a quarter of the longest or less, like a bucket's padding sequences)
-    in a batch of its own at 3."""
+    host: max_seqlen_k 64 (the graph's bound) gathers only the pages the sequences hold, with the eager result: the
+    two of 7 and 12 keys at 12 (3 pages each), the one of 3 (a quarter of the longest or less, like a bucket's
+    padding sequences) in a batch of its own at 3 (1 page)."""
     kv_lens = [7, 3, 12]
     k, v, k_cache, v_cache, table = paged_setup(kv_lens)
     q, ones, lens = torch.randn(3, 4, 8), cu([1] * 3), torch.tensor(kv_lens, dtype=torch.int32)
@@ -239,7 +239,8 @@ def test_compiled_decode_reads_the_keys_held_not_the_padded_width():
         got = compiled(q, k_cache, v_cache, table, lens)
     gathers = [e.input_shapes[2] for e in prof.events() if e.name == "aten::index_select"]  # (rows, dim, index)
     assert any(e.name == "npu_cookbook::paged_decode" for e in prof.events())
-    assert sorted(gathers) == [[1 * 3]] * 2 + [[2 * 12]] * 2  # [B * longest kv length] slots of each batch, K and V
+    pages = [-(-n // 4) for n in (3, 12)]  # paged_setup's 4-token blocks: the pages of the longest row of a batch
+    assert sorted(gathers) == [[1 * pages[0]]] * 2 + [[2 * pages[1]]] * 2  # B of them a batch, K and V; not 64's
     close(got[0], want[0])
     close(got[1], want[1])
     close(got[0], ref.attention(q, k, v, ones, cu(kv_lens), 0.3))

@@ -241,11 +241,11 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sli
                   width: int | None = None):
     """One query per row (B = T: a decode token, or a draft with its own block-table row and kv end): its visible
     keys gathered straight from the pages into one batch padded to `width` keys (None: the widest row's, read on
-    the host), one GEMM per KV head group. With width None, rows that see at most a quarter of the widest row's
+    the host; then full attention gathers whole pages, _decode_pages), one GEMM per KV head group. With width None, rows that see at most a quarter of the widest row's
     keys (SHORT_ROWS; a graph bucket's padding sequences see one) are attended in a batch of their own, so they are
     not gathered and scored at the widest row's length. -> fp32 out [B, Hq, Dv], lse [B, Hq]."""
     B, Hq, _ = q.shape
-    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
     ends = seq_lens.long()  # [B] the new token sits at position end - 1 and sees keys [start, end)
     starts = (ends - sliding_window).clamp(min=0) if sliding_window is not None else None  # None: from 0
     if width is None:  # the widths read on the host, in one read
@@ -260,6 +260,8 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sli
                 out[rows], lse[rows] = _paged_decode(q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows],
                                                      scale, sliding_window)
             return out, lse
+        if starts is None:  # full attention: whole pages
+            return _decode_pages(q, k_cache, v_cache, block_tables, ends, width, min(lens) < width, scale)
     ka = torch.arange(width, device=q.device)  # [Km]
     if starts is None:
         valid = ka < ends[:, None]  # [B, Km]
@@ -271,12 +273,43 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sli
     slots = block_tables.gather(1, pos // block_size).long() * block_size + pos % block_size  # [B, Km]
     kp = rows_at(k_cache, slots)  # [B, Km, Hkv, D]
     vp = kp if v_cache is None else rows_at(v_cache, slots)  # [B, Km, Hkv, Dv]
+    return _decode_attend(q, kp, vp, valid, scale)
+
+
+def _decode_pages(q, k_cache, v_cache, block_tables, ends, width: int, ragged: bool, scale: float):
+    """_paged_decode for full attention with the width read on the host: each row's first ceil(width / block_size)
+    pages gathered whole (one index_select of pages: no slot arithmetic, no gather of rows; 249 -> 137-166 us a
+    batch-1 layer of V3's bench, bf16), cut to `width` keys. Rows shorter than the widest (`ragged`) have their
+    keys past the end masked; otherwise no mask at all (batch-1 decode, a batch of equal lengths). The pages past
+    a row's own are read as they are (the null block 0 in the engine's tables: any valid block index) and masked.
+    -> fp32 out [B, Hq, Dv], lse [B, Hq]."""
+    B, block_size = q.shape[0], k_cache.shape[1]
+    pages = block_tables[:, : -(-width // block_size)].reshape(-1)  # [B * n] the pages the widest row spans
+
+    def gather(cache):  # [num_blocks, block_size, Hkv, D] -> [B, width, Hkv, D]
+        return cache.index_select(0, pages).view(B, -1, *cache.shape[2:])[:, :width]
+
+    kp = gather(k_cache)
+    vp = kp if v_cache is None else gather(v_cache)
+    valid = torch.arange(width, device=q.device) < ends[:, None] if ragged else None  # [B, Km]
+    return _decode_attend(q, kp, vp, valid, scale)
+
+
+def _decode_attend(q, kp, vp, valid, scale: float):
+    """One query row per sequence over its gathered keys: q [B, Hq, D], kp / vp [B, Km, Hkv, D / Dv], valid [B, Km]
+    (None: every key visible) -> fp32 out [B, Hq, Dv], lse [B, Hq]."""
+    B, Hq, _ = q.shape
+    Hkv = kp.shape[2]
     if _fused_kernel_takes(q, kp, vp) and q.shape[-1] == vp.shape[-1]:  # (K = V in every decode caller)
         return _decode_fused(q, kp, vp, valid, scale)
     kp, vp = kp.float(), vp.float()
     qg = q.float().view(B, Hkv, Hq // Hkv, -1)  # [B, Hkv, G, D]
     scores = (qg @ kp.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, Km]
-    probs, lse = _masked_softmax(scores, valid[:, None, None, :])
+    if valid is None:
+        lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G]
+        probs = torch.exp(scores - lse[..., None])
+    else:
+        probs, lse = _masked_softmax(scores, valid[:, None, None, :])
     out = probs @ vp.permute(0, 2, 1, 3)  # [B, Hkv, G, Dv]
     return out.reshape(B, Hq, -1), lse.reshape(B, Hq)
 
@@ -302,14 +335,15 @@ direct_register_custom_op("paged_decode", _paged_decode_op, _paged_decode_fake)
 def _decode_fused(q, kp, vp, valid, scale: float):
     """_paged_decode's attention through torch's fused CPU kernel (flash-style, fp32 accumulation, no fp32 copy of
     the keys): a KV head's G query heads are its G query rows, which see the same keys (no mask between them), so
-    MQA / GQA need no repeat. q [B, Hq, D], kp / vp [B, Km, Hkv, D / Dv], valid [B, Km] -> fp32 out [B, Hq, Dv],
-    lse [B, Hq]."""
+    MQA / GQA need no repeat. q [B, Hq, D], kp / vp [B, Km, Hkv, D / Dv], valid [B, Km] (None: no mask) -> fp32
+    out [B, Hq, Dv], lse [B, Hq]."""
     B, Hq, _ = q.shape
     Hkv = kp.shape[2]
     qh = q.reshape(B, Hkv, Hq // Hkv, -1)  # [B, Hkv, G, D]
-    mask = valid.to(q.dtype).log()  # [B, Km] additive: log 1 = 0 where visible, log 0 = -inf where not
+    # additive mask [B, 1, 1, Km]: log 1 = 0 where visible, log 0 = -inf where not
+    mask = None if valid is None else valid.to(q.dtype).log()[:, None, None]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qh, kp.transpose(1, 2), vp.transpose(1, 2), 0.0, False, attn_mask=mask[:, None, None], scale=scale)[:2]
+        qh, kp.transpose(1, 2), vp.transpose(1, 2), 0.0, False, attn_mask=mask, scale=scale)[:2]
     return out.reshape(B, Hq, -1).float(), lse.reshape(B, Hq)  # [B, Hkv, G, Dv] -> [B, Hq, Dv]
 
 

@@ -126,9 +126,12 @@ def _expert_loop(x: torch.Tensor, weights: list[torch.Tensor], tokens_per_expert
     results concatenated (one copy, not one per expert)."""
     packed = len(weights) > 1 or weights[0].is_mkldnn
     counts = tokens_per_expert.tolist()
-    routed, N = sum(counts), weights[0].shape[-2]
-    outs = [cpu_gemm.linear(rows, weights[e]) if packed else rows @ weights[0][e].T
-            for e, rows in enumerate(x[:routed].split(counts)) if rows.shape[0]]  # [M_e, N] each
+    N, outs, routed = weights[0].shape[-2], [], 0
+    for e, n in enumerate(counts):
+        if n:  # a slice per expert with rows, not a split into E views (a decode step's few experts of many)
+            rows = x[routed : routed + n]  # [M_e, K]
+            outs.append(cpu_gemm.linear(rows, weights[e]) if packed else rows @ weights[0][e].T)  # [M_e, N]
+            routed += n
     if routed < x.shape[0]:  # rows past the routed ones (a fixed-capacity dispatch buffer): left unset
         outs.append(x.new_empty(x.shape[0] - routed, N))
     return torch.cat(outs) if outs else x.new_empty(0, N)  # [M, N]

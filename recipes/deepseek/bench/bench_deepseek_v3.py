@@ -126,6 +126,7 @@ class VllmSide:
         env.pop("PYTHONPATH", None)  # vLLM's environment imports its own packages only
         self.driver = VllmProcess([str(python), str(VLLM_DRIVER), json.dumps(spec)], env, log)
         self.error, self.startup_s = self.driver.ready.get("error"), self.driver.ready.get("startup_s")
+        self.kernels = self.driver.ready.get("kernels", [])  # the builds of vLLM's C++ kernels it loaded
 
     def run(self, batch: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
         out = self.driver.ask({"prompts": batch, "max_tokens": max_tokens})
@@ -297,7 +298,7 @@ def bench(a, dtype: torch.dtype, args: ModelArgs, vllm: VllmSide | None, vllm_re
     if vllm is not None:
         print(f"vLLM {'eager' if a.vllm_eager else 'compiled (its CPU default)'}, "
               f"{'one process' if a.vllm_executor == 'uni' else 'an engine-core process (its default)'}: "
-              f"started in {vllm.startup_s:.0f} s")
+              f"started in {vllm.startup_s:.0f} s; its C++ kernels: {', '.join(vllm.kernels) or 'none loaded'}")
     else:
         print(f"vLLM: not measured: {vllm_reason}")
     reference = tokens["eager", "decode16"]

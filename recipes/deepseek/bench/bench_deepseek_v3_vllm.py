@@ -5,15 +5,22 @@ take turns on the cores; imports nothing of the recipe.
     <vllm venv>/bin/python bench/bench_deepseek_v3_vllm.py SPEC_JSON
 
 SPEC_JSON: {"checkpoint", "dtype" (vLLM's name), "engine": vllm.LLM keyword arguments, "warmup": [prompts, new],
-"mark": the prefix of its answers}. Started and warmed up, it prints mark + {"startup_s"}, or mark + {"error": its
-message} when vLLM refuses the model (and exits 1). Then for each line on stdin, {"prompts": [[token ids]],
+"mark": the prefix of its answers}. Started and warmed up, it prints mark + {"startup_s", "kernels": the builds of
+vLLM's C++ kernels this process loaded, e.g. ["_C_AVX2"]}, or mark + {"error": its message} when vLLM refuses the
+model (and exits 1). Then for each line on stdin, {"prompts": [[token ids]],
 "max_tokens": [n per prompt]}, it generates (greedy, ignore_eos, token ids in, no detokenizing) and prints mark +
 {"seconds": the generate call's wall seconds, "tokens": [[generated ids]]}; it exits when stdin closes. Answers go to
 stdout, where vLLM logs too: the bench reads the marked lines only.
 """
 import json
+import re
 import sys
 import time
+
+
+def kernel_builds() -> list[str]:
+    """The vllm/_C*.so libraries mapped into this process (Linux)."""
+    return sorted(set(re.findall(r"/vllm/(_C\w*)\.abi3\.so", open("/proc/self/maps").read())))
 
 
 def main():
@@ -41,7 +48,7 @@ def main():
 
     prompts, new = spec["warmup"]
     run(prompts, [new] * len(prompts))
-    answer({"startup_s": startup})
+    answer({"startup_s": startup, "kernels": kernel_builds()})
     for line in sys.stdin:
         job = json.loads(line)
         seconds, tokens = run(job["prompts"], job["max_tokens"])

@@ -145,11 +145,19 @@ def ensure_bench() -> Path:
 VLLM_MARK = "BENCH_VLLM "  # a vLLM driver's answers on its stdout (vLLM logs there too)
 
 
+# vllm_plugin's platform plugin: where torch is capped to AVX2 on an AVX-512 CPU (ATEN_CPU_CAPABILITY=avx2, the
+# benches' AVX2 stand-in), vLLM loads its AVX2 kernel build as torch runs AVX2 code; inactive elsewhere, and absent
+# from a vLLM environment without the plugin (the V3 bench prints the build vLLM loaded).
+CPU_PLATFORM_PLUGIN = "npu_cookbook_cpu"
+
+
 def vllm_env(threads: int, executor: str, plugins: str) -> dict[str, str]:
     """The environment of a vLLM subprocess: this one's, less its virtual environment and VLLM_CPU_KVCACHE_SPACE (which
     would override kv_cache_memory_bytes), with vLLM's OpenMP threads = `threads`, unbound, the plugins named (""
-    none), no usage reporting, no hub downloads; executor "uni": the engine core in the driver's process too
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0), vLLM's fastest on a few cores; "mp": its default, a process of its own."""
+    none) and the recipe's platform plugin (CPU_PLATFORM_PLUGIN), no usage reporting, no hub downloads; executor
+    "uni": the engine core in the driver's process too (VLLM_ENABLE_V1_MULTIPROCESSING=0), vLLM's fastest on a few
+    cores; "mp": its default, a process of its own."""
+    plugins = ",".join(filter(None, (plugins, CPU_PLATFORM_PLUGIN)))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_PLUGINS=plugins,
                VLLM_USE_USAGE_LIB="0", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
     if executor == "uni":

@@ -174,6 +174,40 @@ def test_cache_memory_matches_the_engine(tmp_path):
         assert row["plugin"] < 1.2 * row["engine"] and row["per_token"] > 5 * row["engine"], row
 
 
+CAPABILITY_PROBE = textwrap.dedent("""
+    import json, re, torch
+    from vllm.platforms import current_platform
+    current_platform.import_kernels()
+    kernels = sorted(set(re.findall(r"/vllm/(_C\\w*)\\.abi3\\.so", open("/proc/self/maps").read())))
+    print("PROBE " + json.dumps({"platform": type(current_platform).__name__, "kernels": kernels,
+                                 "avx512": torch.cpu._is_avx512_supported()}))
+""")
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="vLLM's kernel builds are x86's")
+def test_cpu_platform_plugin_follows_torchs_capability_cap():
+    """Torch capped to AVX2 (ATEN_CPU_CAPABILITY=avx2): vLLM loads its AVX2 kernel build only, on any x86 CPU (the
+    plugin's platform where the CPU has AVX-512, vLLM's own on an AVX2-only one); uncapped on an AVX-512 CPU, the
+    plugin stays out and vLLM loads an AVX-512 build."""
+    def probe(cap: str | None) -> dict:
+        env = {**vllm_env(), "VLLM_PLUGINS": "npu_cookbook_cpu"}
+        env.pop("ATEN_CPU_CAPABILITY", None)
+        if cap:
+            env["ATEN_CPU_CAPABILITY"] = cap
+        run = subprocess.run([str(VLLM_PYTHON), "-c", CAPABILITY_PROBE], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-4000:]
+        line = [line for line in run.stdout.splitlines() if line.startswith("PROBE ")][-1]
+        return json.loads(line[len("PROBE "):])
+
+    capped = probe("avx2")
+    assert capped["kernels"] == ["_C_AVX2"], f"{capped} (reinstall: pip install -e recipes/deepseek/vllm_plugin)"
+    assert capped["platform"] == ("Avx2CpuPlatform" if capped["avx512"] else "CpuPlatform")
+    if capped["avx512"]:
+        own = probe(None)
+        assert own["platform"] == "CpuPlatform" and own["kernels"] in (["_C"], ["_C_AVX512"]), own
+
+
 @pytest.mark.slow
 def test_vllm_llm_equals_recipe_engine_v4(v4_checkpoint, vllm_runs):
     path, prompts, shared = v4_checkpoint
