@@ -239,11 +239,12 @@ SHORT_ROWS = 4  # paged decode attends the rows of a quarter of the longest visi
 
 def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int | None,
                   width: int | None = None):
-    """One query per row (B = T: a decode token, or a draft with its own block-table row and kv end): its visible
-    keys gathered straight from the pages into one batch padded to `width` keys (None: the widest row's, read on
-    the host; then full attention gathers whole pages, _decode_pages), one GEMM per KV head group. With width None, rows that see at most a quarter of the widest row's
-    keys (SHORT_ROWS; a graph bucket's padding sequences see one) are attended in a batch of their own, so they are
-    not gathered and scored at the widest row's length. -> fp32 out [B, Hq, Dv], lse [B, Hq]."""
+    """One query per row (B = T: a decode token, or a draft with its own block-table row and kv end): its visible keys
+    gathered straight from the pages into one batch padded to `width` keys (None: the widest row's, read on the host;
+    then full attention gathers whole pages, _decode_pages) and attended by _decode_attend. With width None, rows
+    that see at most a quarter of the widest row's keys (SHORT_ROWS; a graph bucket's padding sequences see one) are
+    attended in a batch of their own, so they are not gathered and scored at the widest row's length.
+    -> fp32 out [B, Hq, Dv], lse [B, Hq]."""
     B, Hq, _ = q.shape
     block_size = k_cache.shape[1]
     ends = seq_lens.long()  # [B] the new token sits at position end - 1 and sees keys [start, end)

