@@ -8,7 +8,9 @@ the same end): dynamo traces it at its first call and, at every later call whose
 (shapes, dtypes, the attributes of the module it read, such as a layer's compress ratio), stamps out the subgraph
 compiled once; a call that differs (another kind of layer) compiles a variant, up to MAX_VARIANTS of them.
 Regions do not nest (dynamo fails on a region inside a region): mark the parts a layer repeats, not the layer and
-its parts. Outside torch.compile (eager, NPU, the vLLM plugin) the mark calls the function as it is.
+its parts. Outside torch.compile (eager, NPU, the vLLM plugin) the mark calls the function as it is. A decode
+graph that calls regions keeps inductor's Python wrapper (its C++ wrapper has no subgraph call:
+graph_runner.compile_decode_graph).
 
 Measure the steps before marking a model: DeepSeek-V4 marks its parts (with a graph per bucket its 7 buckets
 compiled in 248 s instead of ~700, estimated); DeepSeek-V3 does not, because its decode graph with the marks ran

@@ -9,9 +9,10 @@ shape of the step is the bucket's alone (the model reads no tensor on the host: 
 where the buckets share one graph over the batch size, the step keeps its own batch size (below). Every other
 step (prefill, mixed prefill + decode, an MTP step whose drafts were cut short) runs eager.
 
-CPU: each bucket is `torch.compile(fullgraph=True, dynamic=False)` (inductor), compiled at start-up, one bucket
-after the other under a progress bar, by a step over padding alone (padding writes only to the null block). On one
-rank with one token a sequence (`shape_generic`), the buckets share one graph, as vLLM compiles one graph over a
+CPU: each bucket is `torch.compile(fullgraph=True, dynamic=False)` (inductor, `compile_decode_graph`: on one
+rank its C++ wrapper where the graph calls no compile_region subgraph), compiled at start-up, one bucket after the
+other under a progress bar, by a step over padding alone (padding writes only to the null block). On one rank
+with one token a sequence (`shape_generic`), the buckets share one graph, as vLLM compiles one graph over a
 symbolic token count: the largest bucket is traced with its batch dimension marked dynamic (`mark_batch_dynamic`)
 and size-oblivious (`size_oblivious`: nothing assumed of a batch of 0 or 1), the others reuse it, and a step runs it
 at its own batch size, unpadded (`build`; 12 sequences padded to 16 decoded at 0.81-0.93x the unpadded rate on a
@@ -63,6 +64,7 @@ fixed-capacity buffers (common.parallel.dispatch_to_experts) instead of splits r
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
@@ -80,13 +82,36 @@ RECOMPILE_LIMIT = 256  # compiled decode graphs a process may hold, all graph en
 TRIAL_STEPS = 3  # exe_mode auto on one rank: real steps of a bucket timed in each mode before one is kept
 
 
-def inductor_options() -> dict:
+def inductor_options(cpp_wrapper: bool = False) -> dict:
     """torch.compile options of the decode graphs: the vector width inductor picks on this CPU (it follows
-    ATEN_CPU_CAPABILITY), stated so that it is part of the on-disk cache key."""
+    ATEN_CPU_CAPABILITY), stated so that it is part of the on-disk cache key; with cpp_wrapper, the graph's kernels
+    called from generated C++ instead of a generated Python function, its wrapper compiled apart from the kernels
+    (`cpp_wrapper_build_separate`: the kernels compile in parallel, the wrapper at -O1)."""
     from torch._inductor import cpu_vec_isa
 
     isa = cpu_vec_isa.pick_vec_isa()
-    return {"cpp.simdlen": isa.bit_width()} if isa else {}
+    options = {"cpp.simdlen": isa.bit_width()} if isa else {}
+    if cpp_wrapper:
+        options |= {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+    return options
+
+
+def calls_subgraphs(gm: torch.fx.GraphModule) -> bool:
+    """Whether a traced graph calls subgraphs (compile_region's regions), which inductor's C++ wrapper cannot."""
+    return any(node.target is torch.ops.higher_order.invoke_subgraph for node in gm.graph.nodes)
+
+
+def compile_decode_graph(gm: torch.fx.GraphModule, example_inputs, one_rank: bool = True):
+    """The torch.compile backend of the decode graphs: inductor, with its C++ wrapper on CPU where the graph runs on
+    one rank (the multi-rank graphs pass an op argument the C++ wrapper cannot) and calls no subgraph (it has no
+    subgraph call: DeepSeek-V4's regions keep the Python wrapper). A step's hundreds of kernel and op calls then
+    cost C++ calls, not Python lines: V3's bench checkpoint, bf16, Xeon, 2026-12-07, a batch-1 padding step
+    8.1-8.9 ms against 11.5-12.2 ms, its 2 graphs compiled cold in 71 s against 61 s."""
+    from torch._inductor.compile_fx import compile_fx
+
+    cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
+    options = inductor_options(cpp_wrapper=cpu and one_rank and not calls_subgraphs(gm))
+    return compile_fx(gm, example_inputs, config_patches=options)
 
 
 def graph_capable(device: torch.device) -> bool:
@@ -150,7 +175,8 @@ class GraphRunner:
         mtp = contract.mtp if keep_streams else None
         self._mtp = mtp
         self._step = lambda batch: decode_step(model, mtp, batch)
-        self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False, options=inductor_options())
+        backend = functools.partial(compile_decode_graph, one_rank=self.one_rank)
+        self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend)
         self._model = model
         self._inputs: dict[int, ForwardBatch] = {}  # bucket -> the buffers its graph reads (each step copied in)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # CUDA: bucket -> its captured graph

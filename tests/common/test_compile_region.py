@@ -55,3 +55,27 @@ def test_outside_torch_compile_the_region_is_the_function():
     layer = Layer("b")
     x = torch.randn(2, 8)
     torch.testing.assert_close(layer(x), x @ layer.w + 1)
+
+
+
+class PlainLayer(nn.Module):
+    """Layer("a")'s computation, unmarked."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):  # [T, 8] -> [T, 8]
+        return torch.tanh(x @ self.w) * 2
+
+
+def test_a_graph_with_regions_is_told_apart_from_one_without():
+    """graph_runner.compile_decode_graph gives a decode graph inductor's C++ wrapper only where it calls no subgraph
+    (the C++ wrapper has no subgraph call): the marked layers' graph calls subgraphs, unmarked ones' does not."""
+    from common.engine.graph_runner import calls_subgraphs
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 8)
+    marked, _ = compiled_graph(Stack("aabaab"), x)  # (a kind's first calls are traced inline)
+    unmarked, _ = compiled_graph(nn.Sequential(*(PlainLayer() for _ in range(6))), x)
+    assert calls_subgraphs(marked) and not calls_subgraphs(unmarked)
