@@ -101,16 +101,15 @@ def calls_subgraphs(gm: torch.fx.GraphModule) -> bool:
     return any(node.target is torch.ops.higher_order.invoke_subgraph for node in gm.graph.nodes)
 
 
-def compile_decode_graph(gm: torch.fx.GraphModule, example_inputs, one_rank: bool = True):
-    """The torch.compile backend of the decode graphs: inductor, with its C++ wrapper on CPU where the graph runs on
-    one rank (the multi-rank graphs pass an op argument the C++ wrapper cannot) and calls no subgraph (it has no
-    subgraph call: DeepSeek-V4's regions keep the Python wrapper). A step's hundreds of kernel and op calls then
-    cost C++ calls, not Python lines: V3's bench checkpoint, bf16, Xeon, 2026-12-07, a batch-1 padding step
-    8.1-8.9 ms against 11.5-12.2 ms, its 2 graphs compiled cold in 71 s against 61 s."""
+def compile_decode_graph(gm: torch.fx.GraphModule, example_inputs, cpp_wrapper: bool):
+    """The torch.compile backend of the decode graphs: inductor, with its C++ wrapper where the caller allows it (a
+    CPU graph of one rank: the multi-rank graphs pass an op argument the C++ wrapper cannot) and the graph calls no
+    subgraph (it has no subgraph call: DeepSeek-V4's regions keep the Python wrapper). A step's hundreds of kernel
+    and op calls then cost C++ calls, not Python lines: V3's bench checkpoint, bf16, Xeon, 2026-12-07, a batch-1
+    padding step 8.1-8.9 ms against 11.5-12.2 ms, its 2 graphs compiled cold in 71 s against 61 s."""
     from torch._inductor.compile_fx import compile_fx
 
-    cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
-    options = inductor_options(cpp_wrapper=cpu and one_rank and not calls_subgraphs(gm))
+    options = inductor_options(cpp_wrapper=cpp_wrapper and not calls_subgraphs(gm))
     return compile_fx(gm, example_inputs, config_patches=options)
 
 
@@ -175,7 +174,7 @@ class GraphRunner:
         mtp = contract.mtp if keep_streams else None
         self._mtp = mtp
         self._step = lambda batch: decode_step(model, mtp, batch)
-        backend = functools.partial(compile_decode_graph, one_rank=self.one_rank)
+        backend = functools.partial(compile_decode_graph, cpp_wrapper=device.type == "cpu" and self.one_rank)
         self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend)
         self._model = model
         self._inputs: dict[int, ForwardBatch] = {}  # bucket -> the buffers its graph reads (each step copied in)
