@@ -57,7 +57,6 @@ def test_outside_torch_compile_the_region_is_the_function():
     torch.testing.assert_close(layer(x), x @ layer.w + 1)
 
 
-
 class PlainLayer(nn.Module):
     """Layer("a")'s computation, unmarked."""
 
