@@ -26,7 +26,8 @@ engine's (the batch-16 decode, first 32 tokens), the KV cache's bytes per token 
 K / V, this checkpoint and the published V3), and the hardware bound: the weight bytes a step reads over the read
 bandwidth measured here and the step's GEMM FLOPs over the GEMM peak measured here (common.backend.gemm_peak_gflops),
 at batch 1 and 16, with the time the profiler finds inside the weight GEMMs of a graph step; --profile adds the top
-ops of a batch-16 decode step, the engine's (eager and graph) and transformers'."""
+ops of a batch-16 decode step, the engine's (eager and graph), transformers' and, with vLLM's engine core in its
+driver's process (--vllm-executor uni), vLLM's (the same prompts; its decode steps' share of a generate call)."""
 from __future__ import annotations
 
 import json
@@ -131,6 +132,10 @@ class VllmSide:
     def run(self, batch: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
         out = self.driver.ask({"prompts": batch, "max_tokens": max_tokens})
         return out["seconds"], out["tokens"]
+
+    def step_profile(self, batch: list[list[int]], steps: int) -> dict[str, float]:
+        """{op: self seconds a decode step} of vLLM decoding `batch` (its driver's `step_profile`)."""
+        return self.driver.ask({"profile": {"prompts": batch, "steps": steps}})["profile"]
 
     def close(self) -> None:
         self.driver.close()
@@ -280,6 +285,8 @@ def bench(a, dtype: torch.dtype, args: ModelArgs, vllm: VllmSide | None, vllm_re
     if a.profile:
         eager_profile = decode_step_profile(llm, 16, args.vocab_size)
         hf_profile = transformers_step_profile(hf, 16, args.vocab_size)
+        vllm_profile = vllm.step_profile(prompts(16, 128, args.vocab_size, seed=5), 32) \
+            if vllm is not None and a.vllm_executor == "uni" else None
     bar.update()
     bar.close()
 
@@ -325,6 +332,10 @@ def bench(a, dtype: torch.dtype, args: ModelArgs, vllm: VllmSide | None, vllm_re
         print(f"top ops, a batch-16 decode step, engine (eager): {top_ops(eager_profile)}")
         print(f"top ops, a batch-16 decode step, engine (graph): {top_ops(profiles[16])}")
         print(f"top ops, a batch-16 decode step, transformers: {top_ops(hf_profile)}")
+        if vllm_profile is not None:
+            print(f"top ops, a batch-16 decode step, vLLM: {top_ops(vllm_profile)}")
+        elif vllm is not None:
+            print("vLLM not profiled: its engine core runs in a process of its own (--vllm-executor uni profiles it)")
     ratios = []
     for p in peers:
         parts = [f"{label} {rows[m]['eager'] / rows[m][p]:.2f}x / {rows[m]['graph'] / rows[m][p]:.2f}x"
