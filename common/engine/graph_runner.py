@@ -105,9 +105,9 @@ def compile_decode_graph(gm: torch.fx.GraphModule, example_inputs, cpp_wrapper: 
     """The torch.compile backend of the decode graphs: inductor, with its C++ wrapper where the caller allows it (a
     CPU graph of one rank: torch's functional collectives, which multi-rank graphs call, type their group `Any`, an
     argument the C++ wrapper cannot pass) and the graph calls no subgraph (DeepSeek-V4's regions keep the Python
-    wrapper). A step's hundreds of kernel and op calls then cost C++ calls, not Python
-    lines: V3's bench checkpoint, bf16, Xeon, 2026-12-07, a batch-1 padding step 8.1-8.9 ms against 11.5-12.2 ms,
-    its 2 graphs compiled cold in 71 s against 61 s."""
+    wrapper). A step's hundreds of kernel and op calls then cost C++ calls, not Python lines: V3's bench checkpoint,
+    bf16, Xeon, 2026-12-07, a batch-1 padding step 8.1-8.9 ms against 11.5-12.2 ms, its 2 graphs compiled cold in
+    71 s against 61 s."""
     from torch._inductor.compile_fx import compile_fx
 
     options = inductor_options(cpp_wrapper=cpp_wrapper and not calls_subgraphs(gm))
